@@ -1,0 +1,55 @@
+"""Frozen engine configuration, validated once.
+
+Each component receives only the fields it needs; what is learned at start-up
+(the number of KV blocks) is passed separately, never written back here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    model: str | None = None            # None -> default SmolLM2-135M-Instruct GGUF
+    dtype: str = "bfloat16"
+    device: str = "auto"                 # "auto" | "cpu" | "cuda"
+    attention_backend: str = "auto"      # "auto" | "torch" | "triton"
+    max_model_len: int | None = None     # None -> the model's max positions
+    block_size: int = 16
+    num_kv_blocks: int | None = None     # None -> derived from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0      # CPU: bytes to give the paged KV cache
+    gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory for weights+KV
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    structured_backend: str = "auto"     # default backend when a request says "auto"
+    grammar_compile_threads: int = 2
+    grammar_compile_timeout_s: float = 30.0
+    enable_jump_forward: bool = True
+    num_threads: int | None = None       # torch intra-op threads; None -> torch default
+    seed: int = 0
+    enforce_eager: bool = False          # CUDA: skip CUDA-graph capture
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError(f"block_size: must be 8, 16, 32 or 64, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens: must be >= block_size")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len: must be >= 2")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks: must be >= 2")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("max_num_batched_tokens must be >= max_model_len without chunked prefill")

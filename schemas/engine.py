@@ -1,0 +1,94 @@
+"""Messages between the gateway and the EngineCore (msgspec, msgpack on the wire).
+
+Small and typed; never tensors.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+from schemas.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # eos / stop token / stop string / grammar terminated
+    LENGTH = "length"    # max_tokens or the context length
+    ABORT = "abort"      # cancelled by the client
+    ERROR = "error"      # this request failed alone (e.g. grammar compile error)
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+
+
+class EngineCoreAbort(msgspec.Struct, kw_only=True):
+    request_ids: list[str]
+
+
+class EngineCoreUtility(msgspec.Struct, kw_only=True):
+    """A call of a read-only engine method by name, answered in EngineCoreOutputs.utility."""
+    call_id: int
+    method: str
+
+
+class Logprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """The chosen token's logprob and the top-n alternatives at one position."""
+    chosen: Logprob
+    top: list[Logprob]
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, kw_only=True):
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = msgspec.field(default_factory=time.monotonic)
+    utility_call_id: int | None = None
+    utility_result: dict | None = None
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    num_running: int
+    num_waiting: int
+    num_waiting_for_grammar: int
+    kv_total_blocks: int
+    kv_free_blocks: int
+    kv_cached_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
+    bitmask_seconds: float = 0.0
+    steps: int = 0
+
+
+# Tagged union for the input socket: one decoder, three kinds of message.
+class InputMessage(msgspec.Struct, kw_only=True):
+    add: EngineCoreRequest | None = None
+    abort: EngineCoreAbort | None = None
+    utility: EngineCoreUtility | None = None
+    shutdown: bool = False

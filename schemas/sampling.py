@@ -1,0 +1,82 @@
+"""Per-request sampling parameters (crosses the process boundary)."""
+from __future__ import annotations
+
+import msgspec
+
+from schemas.structured import StructuredOutputsParams
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Like vLLM's SamplingParams. `temperature=0` means greedy.
+
+    top_k: 0 or -1 disables; top_p in (0, 1]; min_p in [0, 1].
+    logprobs: None, or how many top logprobs to return beside the chosen token's.
+    stop: strings that end generation (checked on the detokenized text, excluded
+    from the output unless include_stop_str_in_output).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending parameter."""
+        def bad(param: str, msg: str) -> None:
+            raise ValueError(f"{param}: {msg}")
+
+        if self.n < 1:
+            bad("n", f"must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad("top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.stop is not None and any((not isinstance(s, str)) or s == "" for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative token ids")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
+
+    def clone(self, **changes) -> "SamplingParams":
+        return msgspec.structs.replace(self, **changes)
