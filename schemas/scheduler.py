@@ -26,7 +26,7 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]          # blocks appended since last step
     num_computed_tokens: int
-    new_token_ids: list[int]          # tokens committed since the runner last saw them (jump-forward)
+    new_token_ids: list[int]          # exactly the tokens scheduled this step (positions num_computed_tokens..)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,31 @@
+"""Seams the Scheduler depends on, as Protocols (implemented in grammar/)."""
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from schemas.structured import StructuredOutputsParams
+
+GrammarStatus = Literal["pending", "ready", "failed"]
+
+
+class StructuredOutputManagerProtocol(Protocol):
+    """Owner of per-request grammar matchers. The Scheduler only calls these."""
+
+    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
+        """Start compiling the grammar (async); status() is "pending" meanwhile."""
+
+    def status(self, request_id: str) -> GrammarStatus: ...
+
+    def error(self, request_id: str) -> str:
+        """Why compilation failed (status() == "failed")."""
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance the matcher; False if a token is not allowed (nothing advanced)."""
+
+    def is_terminated(self, request_id: str) -> bool: ...
+
+    def jump_forward_tokens(self, request_id: str) -> list[int]:
+        """Forced continuation, already accepted into the matcher; [] if none/disabled."""
+
+    def remove(self, request_id: str) -> None:
+        """Drop the request's matcher (finished, aborted or failed)."""

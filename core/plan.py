@@ -1,0 +1,35 @@
+"""One step's SchedulerOutput, accumulated by the Scheduler."""
+from __future__ import annotations
+
+from core import policy
+from core.request import Request
+from schemas.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+class PlanBuilder:
+    """Accumulates one step's SchedulerOutput; does not mutate requests."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.out = SchedulerOutput(new_reqs=[], cached_reqs=[], num_scheduled_tokens={},
+                                   total_num_scheduled_tokens=0, finished_req_ids=set())
+
+    def add(self, req: Request, n: int, num_computed: int, *, new_block_ids: list[int],
+            all_block_ids: list[int] | None = None) -> None:
+        rid, out = req.request_id, self.out
+        if all_block_ids is not None:
+            out.new_reqs.append(NewRequestData(
+                req_id=rid, prompt_token_ids=list(req.prompt_token_ids),
+                sampling_params=req.sampling_params, block_ids=all_block_ids,
+                num_computed_tokens=num_computed, output_token_ids=list(req.output_token_ids)))
+        else:
+            out.cached_reqs.append(CachedRequestData(
+                req_id=rid, new_block_ids=new_block_ids, num_computed_tokens=num_computed,
+                new_token_ids=req.token_ids_slice(num_computed, num_computed + n)))
+        out.num_scheduled_tokens[rid] = n
+        out.total_num_scheduled_tokens += n
+        self.budget -= n
+        if policy.samples_this_step(num_computed, n, req.num_tokens):
+            out.sampling_req_ids.append(rid)
+            if req.use_structured_output:
+                out.structured_req_ids.append(rid)

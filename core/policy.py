@@ -1,0 +1,58 @@
+"""Scheduling policy as small pure functions (no state, no mutation).
+
+The Scheduler composes them; tests check them with tables.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from core.request import RequestStatus
+from schemas.sampling import SamplingParams
+
+
+def fit_chunk(num_remaining: int, token_budget: int, *, room: int, allow_partial: bool,
+              long_prefill_threshold: int = 0) -> int:
+    """Tokens to compute this step for a request with num_remaining uncomputed tokens.
+
+    room: positions left before max_model_len. allow_partial: chunked prefill (a
+    part may be scheduled); otherwise all or nothing. long_prefill_threshold > 0
+    caps one step's chunk (only when partial chunks are allowed).
+    Returns 0 when nothing can be scheduled.
+    """
+    n = min(num_remaining, room)
+    if allow_partial and 0 < long_prefill_threshold < n:
+        n = long_prefill_threshold
+    if n <= token_budget:
+        return max(n, 0)
+    return max(token_budget, 0) if allow_partial else 0
+
+
+def pick_victim(arrival_times: Sequence[float]) -> int:
+    """Index of the request to preempt: latest arrival, ties -> the last position."""
+    assert arrival_times, "no preemption candidate"
+    return max(range(len(arrival_times)), key=lambda i: (arrival_times[i], i))
+
+
+def samples_this_step(num_computed: int, num_scheduled: int, num_tokens: int) -> bool:
+    """A step that computes up to the last known token yields a sampled token."""
+    return num_computed + num_scheduled == num_tokens
+
+
+def check_stop(token_id: int, *, num_output_tokens: int, num_tokens: int, eos_token_id: int | None,
+               params: SamplingParams, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
+    """Whether appending token_id (already counted in the lengths) ends the request.
+
+    Returns (finished status or None, stop_reason). Order: eos (unless ignore_eos),
+    stop_token_ids (stop_reason = the id), max_tokens, max_model_len. eos and stop
+    ids are ignored while num_output_tokens < min_tokens; length limits are not.
+    """
+    if num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and eos_token_id is not None and token_id == eos_token_id:
+            return RequestStatus.FINISHED_STOPPED, None
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token_id
+    if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH_CAPPED, None
+    if num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED, None
+    return None, None
