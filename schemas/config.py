@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("auto", "bfloat16", "float32", "float16")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     model: str | None = None            # None -> default SmolLM2-135M-Instruct GGUF
-    dtype: str = "bfloat16"
+    # "auto": bf16 on CUDA, and on CPUs with native bf16 matmul (AMX / AVX512-BF16);
+    # fp32 on other CPUs, where bf16 is emulated and several times slower.
+    dtype: str = "auto"
     device: str = "auto"                 # "auto" | "cpu" | "cuda"
     attention_backend: str = "auto"      # "auto" | "torch" | "triton"
     max_model_len: int | None = None     # None -> the model's max positions

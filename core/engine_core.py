@@ -1,0 +1,168 @@
+"""EngineCore: one thread owns all request state and runs the V1 step:
+
+    schedule -> execute_model(plan, non_block=True) -> grammar bitmask (CPU,
+    overlapping the forward) -> sample_tokens(bitmask) -> apply aborts that
+    arrived meanwhile -> update_from_output -> outputs
+
+`abort_requests` may be called from any thread (it only queues); everything
+else is called from the engine thread.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable
+
+from core.kv_cache import KVCacheManager
+from core.request import Request, RequestStatus
+from core.scheduler import Scheduler
+from schemas.config import EngineConfig
+from schemas.engine import EngineCoreOutputs, EngineCoreRequest, EngineStats
+
+log = logging.getLogger("formwork.engine")
+
+
+def _make_grammar_manager(config: EngineConfig, tokenizer, vocab_size: int):
+    from grammar.manager import StructuredOutputManager
+    return StructuredOutputManager(
+        tokenizer, vocab_size,
+        default_backend=config.structured_backend,
+        num_threads=config.grammar_compile_threads,
+        compile_timeout_s=config.grammar_compile_timeout_s,
+        enable_jump_forward=config.enable_jump_forward,
+    )
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, executor=None, tokenizer=None,
+                 structured_manager=None):
+        from gpu.loader import resolve_model, load_tokenizer
+        self.config = config
+        model_dir = resolve_model(config.model) if executor is None or tokenizer is None else None
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        if executor is None:
+            from gpu.executor import Executor
+            executor = Executor(config, model_dir)
+        self.executor = executor
+        info = executor.info
+        self.info = info
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.kv_manager = KVCacheManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.structured = (structured_manager if structured_manager is not None
+                           else _make_grammar_manager(config, self.tokenizer, info.vocab_size))
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            kv_cache_manager=self.kv_manager,
+            structured_output_manager=self.structured,
+        )
+        self._aborts: collections.deque[str] = collections.deque()
+        self._abort_lock = threading.Lock()
+        self.tracer: Callable[[str], None] | None = None   # step-order tracing (tests)
+        self.check_invariants_each_step = False
+        self.steps = 0
+        self.bitmask_seconds = 0.0
+        self.last_step_timing: dict[str, float] = {}
+        log.info("engine ready: %d KV blocks x %d tokens, max_model_len %d, %s %s, attention %s",
+                 info.num_kv_blocks, config.block_size, info.max_model_len, info.device,
+                 info.dtype, info.attention_backend)
+
+    # -- input -----------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Raises ValueError (naming the parameter) for a request it refuses."""
+        ids = req.prompt_token_ids
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens do not fit the context: max_model_len is "
+                f"{self.max_model_len} (prompt plus at least one generated token)")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} outside [0, {self.vocab_size})")
+        req.sampling_params.validate()
+        self.scheduler.add_request(Request.from_engine_request(req))
+
+    def abort_requests(self, request_ids) -> None:
+        """Thread-safe: queued, applied at the next abort point of the engine thread."""
+        with self._abort_lock:
+            self._aborts.extend(request_ids)
+
+    def _drain_aborts(self) -> list:
+        with self._abort_lock:
+            ids = list(self._aborts)
+            self._aborts.clear()
+        if not ids:
+            return []
+        return self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def _trace(self, what: str) -> None:
+        if self.tracer is not None:
+            self.tracer(what)
+
+    # -- the step ----------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        outputs = self._drain_aborts()
+        self._trace("schedule")
+        plan = self.scheduler.schedule()
+        outputs += self.scheduler.take_finished_outputs()
+        if plan.total_num_scheduled_tokens == 0:
+            if plan.finished_req_ids:      # let the runner drop their state
+                self.executor.execute_model(plan, non_block=False)
+                self.executor.sample_tokens(None)
+            return EngineCoreOutputs(outputs=outputs)
+        self._trace("execute")
+        self.executor.execute_model(plan, non_block=True)
+        try:
+            self._trace("grammar")
+            t0 = time.perf_counter()
+            bitmask = (self.structured.fill_bitmask(plan.structured_req_ids)
+                       if plan.structured_req_ids else None)
+            t1 = time.perf_counter()
+            self.bitmask_seconds += t1 - t0
+            self._trace("wait")
+            runner_out = self.executor.sample_tokens(bitmask)
+        except Exception as e:  # a failed step: commit nothing, fail its requests alone
+            log.exception("model step failed")
+            self.executor.cancel_inflight()
+            outputs += self.scheduler.fail_step(plan, f"internal error in model step: {e}")
+            return EngineCoreOutputs(outputs=outputs)
+        self.last_step_timing = {"fill_start": t0, "fill_end": t1, **self.executor.timings}
+        self._trace("aborts")
+        outputs += self._drain_aborts()
+        self._trace("update")
+        outputs += self.scheduler.update_from_output(plan, runner_out)
+        self.steps += 1
+        if self.check_invariants_each_step:
+            self.scheduler.check_invariants()
+        return EngineCoreOutputs(outputs=outputs)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._abort_lock:
+            pending_aborts = bool(self._aborts)
+        return self.scheduler.has_unfinished_requests() or pending_aborts
+
+    def get_stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.kv_manager
+        g = self.structured.stats() if self.structured is not None else {}
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_waiting_for_grammar=s.num_waiting_for_grammar,
+            kv_total_blocks=self.info.num_kv_blocks, kv_free_blocks=kv.num_allocatable_blocks,
+            kv_cached_blocks=kv.num_cached_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            grammar_compiles=int(g.get("compiles", 0)), grammar_cache_hits=int(g.get("cache_hits", 0)),
+            grammar_compile_seconds=float(g.get("compile_seconds", 0.0)),
+            bitmask_seconds=self.bitmask_seconds, steps=self.steps,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+        if self.structured is not None and hasattr(self.structured, "shutdown"):
+            self.structured.shutdown()

@@ -1,0 +1,145 @@
+"""Offline API, shaped like vLLM's:
+
+    from gateway import LLM, SamplingParams
+    llm = LLM()                                  # default SmolLM2-135M-Instruct
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+    outs[0].outputs[0].text, .token_ids, .finish_reason
+
+All prompts are admitted to the in-process EngineCore together and batched
+continuously by its scheduler.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from core.engine_core import EngineCore
+from gateway.output_processor import OutputProcessor, RequestOutput
+from schemas.config import EngineConfig
+from schemas.sampling import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        self.config = EngineConfig(model=model, **engine_kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    # -- prompts ----------------------------------------------------------
+    def _to_tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+            if not ids:
+                raise ValueError("prompt_token_ids: must not be empty")
+            return prompt.get("prompt"), ids
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._to_tokens(prompt["prompt"])
+        raise ValueError("prompt: expected a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+
+    def _check_fits(self, ids: list[int]) -> None:
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt: {len(ids)} tokens do not fit the context: "
+                             f"max_model_len is {limit} (prompt plus at least one generated token)")
+
+    # -- generation -------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        # validate everything before admitting anything: a bad prompt fails the call, not the engine
+        tokenized = [self._to_tokens(p) for p in prompts]
+        for (_, ids), p in zip(tokenized, params):
+            self._check_fits(ids)
+            p.validate()
+        order = []
+        for (text, ids), p in zip(tokenized, params):
+            rid = str(next(self._ids))
+            order.append(rid)
+            try:
+                for er in self._processor.add_request(rid, text, ids, p, time.monotonic()):
+                    self.engine.add_request(er)
+            except Exception:
+                self._abort(order)
+                raise
+        return self._run(order, use_tqdm)
+
+    def _abort(self, rids: list[str]) -> None:
+        engine_ids = [eid for rid in rids for eid in self._processor.abort_request(rid)]
+        self.engine.abort_requests(engine_ids)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(order), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        n_out = 0
+        t0 = time.perf_counter()
+        try:
+            while len(finished) < len(order):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("engine has no work left but requests are unfinished")
+                outs = self.engine.step().outputs
+                results, to_abort = self._processor.process_outputs(outs)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for ro in results:
+                    if ro.finished:
+                        finished[ro.request_id] = ro
+                        n_out += sum(len(c.token_ids) for c in ro.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix_str(f"out {n_out / (time.perf_counter() - t0):.1f} tok/s")
+        except BaseException:
+            self._abort([r for r in order if r not in finished])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        # drain aborts of stop-string requests so no blocks stay held
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        return [finished[r] for r in order]
+
+    def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """messages: one conversation (list of {"role", "content"}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            ids = self.tokenizer.apply_chat_template(
+                conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+                tools=tools, return_dict=False, **(chat_template_kwargs or {}))
+            if isinstance(ids, dict):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_stats(self):
+        return self.engine.get_stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

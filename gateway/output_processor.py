@@ -1,0 +1,202 @@
+"""Turns EngineCoreOutputs into user-facing RequestOutputs: incremental
+detokenization, stop strings, n > 1 fan-in, logprobs. Owns the client-side
+view of each request (one writer: the gateway's output loop, or the offline LLM).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenizers.decoders import DecodeStream
+
+from schemas.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
+from schemas.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    error: str | None = None
+    # since the previous RequestOutput of this request (for streaming)
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+class _Detok:
+    """Incremental detokenizer + stop strings for one completion.
+
+    Text that could still turn out to be the start of a stop string is held
+    back from the deltas until it is disambiguated.
+    """
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        self._tok = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
+        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self.stops = params.stop or []
+        self.include_stop = params.include_stop_str_in_output
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0          # chars of self.text already sent as deltas
+
+    def add(self, token_id: int) -> str | None:
+        """Appends one token's text; returns the stop string hit, if any."""
+        piece = self._stream.step(self._tok, token_id)
+        if not piece:
+            return None
+        start = max(0, len(self.text) - self.holdback)
+        self.text += piece
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i >= 0:
+                self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+                return s
+        return None
+
+    def take_delta(self, finished: bool) -> str:
+        end = len(self.text) if finished or not self.stops else max(self.emitted, len(self.text) - self.holdback)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta
+
+
+@dataclass(slots=True)
+class _Child:
+    parent: "_Parent"
+    index: int
+    params: SamplingParams
+    detok: _Detok
+    out: CompletionOutput
+
+
+@dataclass(slots=True)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+def child_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._children: dict[str, _Child] = {}
+
+    def __len__(self) -> int:
+        return len(self._parents)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float = 0.0,
+                    eos_token_id: int | None = None) -> list[EngineCoreRequest]:
+        """Registers a request; returns the engine requests to send (n of them)."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        eos = eos_token_id if eos_token_id is not None else self.tokenizer.eos_token_id
+        parent = _Parent(request_id, prompt, list(prompt_token_ids))
+        engine_reqs = []
+        for i in range(params.n):
+            cp = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            cid = child_id(request_id, i, params.n)
+            child = _Child(parent, i, cp, _Detok(self.tokenizer, cp), CompletionOutput(index=i))
+            if cp.logprobs is not None:
+                child.out.logprobs, child.out.cumulative_logprob = [], 0.0
+            parent.children.append(child)
+            self._children[cid] = child
+            engine_reqs.append(EngineCoreRequest(request_id=cid, prompt_token_ids=list(prompt_token_ids),
+                                                 sampling_params=cp, eos_token_id=eos,
+                                                 arrival_time=arrival_time))
+        self._parents[request_id] = parent
+        return engine_reqs
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forgets a request; returns the engine ids still to abort."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return []
+        ids = [child_id(request_id, c.index, len(parent.children)) for c in parent.children]
+        for cid, c in zip(ids, parent.children):
+            self._children.pop(cid, None)
+        return [cid for cid, c in zip(ids, parent.children) if not c.out.finished]
+
+    def _apply(self, child: _Child, eo: EngineCoreOutput) -> bool:
+        """Applies one engine output to a child; returns True if a stop string ended it."""
+        out = child.out
+        stop_hit = None
+        for k, tid in enumerate(eo.new_token_ids):
+            out.token_ids.append(tid)
+            out.delta_token_ids.append(tid)
+            if eo.new_logprobs is not None and out.logprobs is not None and k < len(eo.new_logprobs):
+                lp = eo.new_logprobs[k]
+                out.logprobs.append(lp)
+                out.delta_logprobs = (out.delta_logprobs or []) + [lp]
+                out.cumulative_logprob += lp.chosen.logprob
+            stop_hit = child.detok.add(tid)
+            if stop_hit is not None:
+                break
+        if stop_hit is not None:
+            out.finish_reason, out.stop_reason = FinishReason.STOP.value, stop_hit
+        elif eo.finish_reason is not None:
+            out.finish_reason, out.stop_reason = eo.finish_reason.value, eo.stop_reason
+            out.error = eo.error
+        child.parent.num_cached_tokens = max(child.parent.num_cached_tokens, eo.num_cached_tokens)
+        return stop_hit is not None and eo.finish_reason is None
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (request outputs with deltas, engine request ids to abort)."""
+        touched: dict[str, _Parent] = {}
+        to_abort: list[str] = []
+        for eo in outputs:
+            child = self._children.get(eo.request_id)
+            if child is None or child.out.finished:
+                continue                    # aborted by us, or late output after a stop string
+            if self._apply(child, eo):
+                to_abort.append(eo.request_id)
+            touched[child.parent.request_id] = child.parent
+        results = []
+        for parent in touched.values():
+            results.append(self._snapshot(parent))
+        return results, to_abort
+
+    def _snapshot(self, parent: _Parent) -> RequestOutput:
+        outs = []
+        for c in parent.children:
+            o = c.out
+            snap = CompletionOutput(
+                index=o.index, text=c.detok.text, token_ids=list(o.token_ids),
+                finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                logprobs=list(o.logprobs) if o.logprobs is not None else None,
+                cumulative_logprob=o.cumulative_logprob, error=o.error,
+                delta_text=c.detok.take_delta(o.finished), delta_token_ids=o.delta_token_ids,
+                delta_logprobs=o.delta_logprobs)
+            o.delta_token_ids, o.delta_logprobs = [], None
+            outs.append(snap)
+        finished = all(c.out.finished for c in parent.children)
+        if finished:
+            self.abort_request(parent.request_id)   # forget it
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
+                             finished, parent.num_cached_tokens)

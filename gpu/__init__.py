@@ -1,0 +1,1 @@
+"""Worker side: model, attention backends, loader, model runner, sampler."""

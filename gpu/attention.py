@@ -1,0 +1,229 @@
+"""Paged attention: per-step metadata, the KV cache layout and backends.
+
+KV cache per layer: `k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+head_dim]`; token at position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size`.
+
+A step's batch is FLAT: the new tokens of many sequences, each sequence
+contiguous and in order. `AttentionMetadata.build` runs once per step on the
+host and precomputes everything the backends index with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# Decode rows of very different context lengths go into separate padded
+# groups once padding would exceed this fraction of the real work.
+_DECODE_PAD_SLACK = 0.5
+
+
+@dataclass(slots=True)
+class AttnGroup:
+    """Sequences the torch backend attends in one SDPA call.
+
+    Decode group (`token_index` set): P sequences with one new token each.
+    Prefill group: one sequence, new tokens `token_start:token_end`.
+    """
+    token_index: torch.Tensor | None   # [P] int64 flat token rows (decode)
+    token_start: int                    # prefill: first flat row
+    token_end: int                      # prefill: one past the last flat row
+    block_index: torch.Tensor | None   # [P, nb] int64 blocks to gather; None -> no cached prefix
+    mask: torch.Tensor | None          # bool [P, 1, q, nb*block_size], True = attend
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32
+    seq_lens: torch.Tensor          # [num_seqs] int32, context incl. new tokens
+    block_table: torch.Tensor       # [num_seqs, max_blocks] int32 (padding: 0)
+    slot_mapping: torch.Tensor      # [T] int64, -1 = do not store
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+    store_index: torch.Tensor | None  # [T'] int64 rows with slot >= 0; None = all rows
+    groups: list[AttnGroup]           # torch backend work split
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device | str) -> "AttentionMetadata":
+        """Sequence i has `query_lens[i]` new tokens at positions
+        `seq_lens[i]-query_lens[i] .. seq_lens[i]-1`; `block_tables[i]` must
+        cover `seq_lens[i]` positions. A negative block id gives slot -1 (its
+        positions are not stored, and must not be attended)."""
+        n = len(query_lens)
+        assert n == len(seq_lens) == len(block_tables) and n > 0
+        q = np.asarray(query_lens, dtype=np.int64)
+        s = np.asarray(seq_lens, dtype=np.int64)
+        assert (q >= 1).all() and (q <= s).all(), "need 1 <= query_len <= seq_len"
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q, out=qsl[1:])
+        num_blocks = -(-s // block_size)
+        width = max(max(len(row) for row in block_tables), 1)
+        table = np.zeros((n, width), dtype=np.int64)
+        for i, row in enumerate(block_tables):
+            assert len(row) >= num_blocks[i], f"block table {i} covers < {s[i]} positions"
+            table[i, :len(row)] = row
+        seq_of_token = np.repeat(np.arange(n), q)
+        pos = np.arange(qsl[-1]) - qsl[seq_of_token] + (s - q)[seq_of_token]
+        block = table[seq_of_token, pos // block_size]
+        slots = np.where(block >= 0, block * block_size + pos % block_size, -1)
+        valid = slots >= 0
+        table = np.maximum(table, 0)
+
+        dev = torch.device(device)
+        as_t = lambda a, dt=torch.int64: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt)  # noqa: E731
+        return cls(
+            query_start_loc=as_t(qsl, torch.int32), seq_lens=as_t(s, torch.int32),
+            block_table=as_t(table, torch.int32), slot_mapping=as_t(slots),
+            max_query_len=int(q.max()), max_seq_len=int(s.max()),
+            query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), block_size=block_size,
+            store_index=None if valid.all() else as_t(np.nonzero(valid)[0]),
+            groups=_build_groups(q, s, qsl, table, block_size, as_t),
+        )
+
+
+def _build_groups(q, s, qsl, table, block_size, as_t) -> list[AttnGroup]:
+    """Decode rows -> padded groups of similar context length; prefills -> one each."""
+    groups: list[AttnGroup] = []
+    nblocks = -(-s // block_size)
+    decodes = np.nonzero(q == 1)[0]
+    decodes = decodes[np.argsort(s[decodes], kind="stable")]
+    start = 0
+    for end in range(1, len(decodes) + 1):
+        if end < len(decodes):
+            members = nblocks[decodes[start:end + 1]]
+            padded = len(members) * members[-1]
+            if padded <= (1 + _DECODE_PAD_SLACK) * members.sum() + 2 or end - start < 4:
+                continue
+        idx = decodes[start:end]
+        nb = int(nblocks[idx].max())
+        keys = np.arange(nb * block_size)
+        mask = keys[None, :] < s[idx][:, None]                       # [P, L]
+        groups.append(AttnGroup(
+            token_index=as_t(qsl[idx]), token_start=0, token_end=0,
+            block_index=as_t(table[idx, :nb]),
+            mask=as_t(mask[:, None, None, :], torch.bool)))
+        start = end
+    for i in np.nonzero(q > 1)[0]:
+        a, b, ctx = int(qsl[i]), int(qsl[i + 1]), int(s[i])
+        if q[i] == ctx:  # no cached prefix: causal attention over the new tokens only
+            groups.append(AttnGroup(None, a, b, None, None))
+            continue
+        nb = int(nblocks[i])
+        keys = np.arange(nb * block_size)
+        rows = np.arange(ctx - q[i], ctx)                              # query positions
+        mask = keys[None, :] <= rows[:, None]                         # [q, L]
+        groups.append(AttnGroup(None, a, b, as_t(table[i:i + 1, :nb]),
+                                as_t(mask[None, None], torch.bool)))
+    return groups
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                      head_dim: int, dtype: torch.dtype, device: torch.device | str
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed (k_cache, v_cache) per layer, each [num_blocks, block_size, kvh, d]."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+
+
+def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int,
+                             head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one block id costs across all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+class AttentionBackend:
+    """Stores new K/V by `meta.slot_mapping`, then attends causally over each
+    sequence's paged context. Does not mutate q/k/v; writes k_cache/v_cache."""
+
+    name = "base"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]."""
+        raise NotImplementedError
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Write rows of k/v [T, KVH, D] into their slots; slot -1 rows are skipped."""
+    kvh, d = k.shape[1], k.shape[2]
+    slots, rows = meta.slot_mapping, meta.store_index
+    if rows is not None:
+        slots, k, v = slots[rows], k[rows], v[rows]
+    k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference/CPU path: decode rows batched into padded SDPA calls,
+    prefill sequences one SDPA call each."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        store_kv(k, v, k_cache, v_cache, meta)
+        t, h, d = q.shape
+        kvh = k.shape[1]
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            if g.token_index is not None:
+                out.index_copy_(0, g.token_index, _decode(q, k_cache, v_cache, g, kvh, scale))
+                continue
+            qs = q[g.token_start:g.token_end].transpose(0, 1).unsqueeze(0)      # [1, H, q, D]
+            if g.block_index is None:
+                ks = k[g.token_start:g.token_end].transpose(0, 1).unsqueeze(0)  # [1, KVH, q, D]
+                vs = v[g.token_start:g.token_end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                   enable_gqa=True)
+            else:
+                ks, vs = _gather(k_cache, g.block_index), _gather(v_cache, g.block_index)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=scale,
+                                                   enable_gqa=True)
+            out[g.token_start:g.token_end] = o[0].transpose(0, 1)
+        return out
+
+
+def _gather(cache: torch.Tensor, block_index: torch.Tensor) -> torch.Tensor:
+    """cache [N, bs, KVH, D], block_index [P, nb] -> [P, KVH, nb*bs, D]."""
+    p, nb = block_index.shape
+    n, bs, kvh, d = cache.shape
+    rows = cache.view(n, bs * kvh * d).index_select(0, block_index.view(-1))  # 2x faster than cache[idx]
+    return rows.view(p, nb * bs, kvh, d).transpose(1, 2)
+
+
+def _decode(q, k_cache, v_cache, g: AttnGroup, kvh: int, scale: float) -> torch.Tensor:
+    """One query per sequence; the G query heads sharing a KV head are folded
+    into the query axis, so no K/V expansion is needed. Returns [P, H, D]."""
+    p = g.token_index.shape[0]
+    _, h, d = q.shape
+    qg = q.index_select(0, g.token_index).view(p, kvh, h // kvh, d)          # [P, KVH, G, D]
+    ks, vs = _gather(k_cache, g.block_index), _gather(v_cache, g.block_index)
+    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=g.mask, scale=scale)
+    return o.reshape(p, h, d)
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """"torch", "triton", or "auto" (triton on CUDA, torch elsewhere)."""
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from gpu.attention_triton import TritonAttentionBackend
+        return TritonAttentionBackend()
+    raise ValueError(f"attention backend {name!r}: expected 'auto', 'torch' or 'triton'")

@@ -1,0 +1,143 @@
+"""In-process executor: owns the model, the KV cache and the ModelRunner, and
+runs the forward on one worker thread so that the EngineCore can fill grammar
+bitmasks on its own thread meanwhile (torch releases the GIL in its kernels).
+
+`execute_model(plan, non_block=True)` returns at once; `sample_tokens(bitmask)`
+waits for that forward and samples. One step in flight at a time.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gpu.attention import allocate_kv_cache, get_attention_backend, kv_cache_bytes_per_block
+from gpu.loader import load_model
+from gpu.model import ModelConfig
+from gpu.model_runner import ModelRunner
+from schemas.config import EngineConfig
+from schemas.scheduler import ModelRunnerOutput, SchedulerOutput
+
+log = logging.getLogger("formwork.executor")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorInfo:
+    """Learned at start-up; passed to the core, never written into the config."""
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    device: str
+    dtype: str
+    attention_backend: str
+    load_seconds: float
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' requested but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def _num_blocks(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_cache_bytes_per_block(mcfg.num_hidden_layers, config.block_size,
+                                         mcfg.num_key_value_heads, mcfg.head_dim, dtype)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * config.gpu_memory_utilization)
+    else:
+        budget = int(config.kv_cache_memory_gb * (1 << 30))
+    return max(2, budget // per_block)
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, model_dir):
+        t0 = time.perf_counter()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = _pick_device(config.device)
+        dtype = resolve_dtype(config.dtype, self.device)
+        mcfg = ModelConfig.from_dir(model_dir)
+        backend_name = config.attention_backend
+        if backend_name == "auto":
+            backend_name = "triton" if self.device.type == "cuda" else "torch"
+        backend = get_attention_backend(backend_name, self.device)
+        model = load_model(model_dir, dtype=dtype, device=self.device)
+        model.attn_backend = backend
+        max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        if config.max_model_len and config.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {mcfg.max_position_embeddings}")
+        num_blocks = _num_blocks(config, mcfg, dtype, self.device)
+        kv = allocate_kv_cache(mcfg.num_hidden_layers, num_blocks, config.block_size,
+                               mcfg.num_key_value_heads, mcfg.head_dim, dtype, self.device)
+        self.runner = ModelRunner(model, kv, block_size=config.block_size, device=self.device)
+        self.info = ExecutorInfo(num_blocks, max_len, mcfg.vocab_size, str(self.device),
+                                 str(dtype).removeprefix("torch."),
+                                 backend_name, time.perf_counter() - t0)
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="formwork-forward")
+        self._inflight: tuple[SchedulerOutput, cf.Future] | None = None
+        self.timings: dict[str, float] = {}   # last step: submitted/forward_start/forward_end (perf_counter)
+
+    def _forward(self, plan: SchedulerOutput):
+        self.timings["forward_start"] = time.perf_counter()
+        try:
+            return self.runner.execute_model(plan)
+        finally:
+            self.timings["forward_end"] = time.perf_counter()
+
+    def execute_model(self, plan: SchedulerOutput, non_block: bool = True):
+        assert self._inflight is None, "one step in flight at a time"
+        self.timings["submitted"] = time.perf_counter()
+        fut = self._pool.submit(self._forward, plan)
+        self._inflight = (plan, fut)
+        if not non_block:
+            fut.result()
+        return fut
+
+    def sample_tokens(self, bitmask: torch.Tensor | None) -> ModelRunnerOutput:
+        """Waits for the in-flight forward (re-raising its error) and samples."""
+        assert self._inflight is not None, "sample_tokens without execute_model"
+        plan, fut = self._inflight
+        self._inflight = None
+        logits = fut.result()
+        return self.runner.sample(plan, logits, bitmask)
+
+    def cancel_inflight(self) -> None:
+        """After a failed step: wait the forward out so the next step starts clean."""
+        if self._inflight is not None:
+            _plan, fut = self._inflight
+            self._inflight = None
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - the caller already reports the step failure
+                pass
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,232 @@
+"""Llama-family decoder over a flat packed batch and a paged KV cache.
+
+Numerics follow HF transformers' LlamaForCausalLM (RMSNorm in fp32, RoPE
+cos/sin computed in fp32 then cast, rotate-half layout); q/k/v and gate/up
+projections are fused into single matmuls.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None          # None or llama3 parameters
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
+        return cls.from_dict(json.loads((pathlib.Path(path) / "config.json").read_text()))
+
+    @classmethod
+    def from_dict(cls, c: dict) -> "ModelConfig":
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only silu)")
+        heads = c["num_attention_heads"]
+        # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope scaling {rope_type!r} is not supported (default or llama3 only)")
+        eos = c.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            rope_scaling=rope if rope_type == "llama3" else None,
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
+            attention_bias=bool(c.get("attention_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)),
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies (llama3 scaling applied if set)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_scaling is None:
+        return inv
+    r = cfg.rope_scaling
+    factor, lo, hi = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+    old_len = r["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin caches [max_positions, head_dim] indexed by absolute position."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def reset(self, device: torch.device, dtype: torch.dtype) -> None:
+        pos = torch.arange(self.cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = pos[:, None] * rope_inv_freq(self.cfg)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T]; q [T, H, D], k [T, KVH, D] -> rotated (q, k)."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.scale = self.d ** -0.5
+
+    def forward(self, x, positions, rotary, kv_cache: KVCache, meta, backend) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, k = rotary(positions, q.view(t, self.h, self.d), k.view(t, self.kvh, self.d))
+        o = backend.forward(q, k, v.view(t, self.kvh, self.d), kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, positions, rotary, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names match HF except the fused `qkv_proj` / `gate_up_proj`."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+        self.attn_backend = attn_backend or TorchAttentionBackend()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids/positions [T] (sequences contiguous, in order) -> normed hidden [T, hidden].
+        Writes the new tokens' K/V into `kv_caches` (one (k, v) per layer)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv, attn_metadata, self.attn_backend)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    def load_hf_weights(self, hf: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                        device: torch.device) -> None:
+        """Assign HF-named weights (fusing q/k/v and gate/up), then build RoPE caches."""
+        sd = {}
+        for name, w in hf.items():
+            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+                continue
+            if ".rotary_emb." in name:
+                continue
+            sd[name] = w
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for kind in ("weight", "bias") if self.config.attention_bias else ("weight",):
+                parts = [sd.pop(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"]
+                sd[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
+            for kind in ("weight", "bias") if self.config.mlp_bias else ("weight",):
+                parts = [sd.pop(f"{p}mlp.{x}_proj.{kind}") for x in ("gate", "up")]
+                sd[f"{p}mlp.gate_up_proj.{kind}"] = torch.cat(parts)
+        if self.config.tie_word_embeddings:
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        elif "lm_head.weight" not in sd:
+            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        sd = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in sd.items()}
+        self.load_state_dict(sd, strict=True, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary.reset(device, dtype)
+        self.requires_grad_(False)

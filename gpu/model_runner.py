@@ -1,0 +1,161 @@
+"""ModelRunner: the only writer of K/V tensors and of the runner-side request
+state. Packs a variable-length SchedulerOutput into one flat batch
+(input ids / positions / slot mapping / block table), runs the model and
+samples.
+
+Contract with the scheduler: a request's full data arrives once (NewRequestData,
+again after preemption), then only diffs (CachedRequestData with the tokens
+scheduled this step). Requests in `finished_req_ids` are dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu.attention import AttentionMetadata
+from gpu.sampler import Sampler, SamplingBatch
+from schemas.sampling import SamplingParams
+from schemas.scheduler import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True)
+class _ReqState:
+    req_id: str
+    token_ids: list[int]            # prompt + outputs known to the runner
+    num_prompt_tokens: int
+    block_ids: list[int]
+    params: SamplingParams
+    num_computed_tokens: int = 0
+    scheduled: list[int] = field(default_factory=list)   # tokens scheduled this step
+
+
+@dataclass(slots=True)
+class _StepInputs:
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor      # [S] int64: flat index of the last token of each sampled req
+    sample_req_ids: list[str]
+
+
+def _token_seed(seed: int, output_index: int) -> int:
+    """Seed of one token's draw: a function of (request seed, output position) only."""
+    return (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+class ModelRunner:
+    def __init__(self, model, kv_caches, *, block_size: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches      # list per layer of (k_cache, v_cache)
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        self.requests: dict[str, _ReqState] = {}
+
+    # -- state -----------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for nr in so.new_reqs:
+            p = nr.sampling_params
+            tokens = list(nr.prompt_token_ids) + list(nr.output_token_ids)
+            st = _ReqState(nr.req_id, tokens, len(nr.prompt_token_ids), list(nr.block_ids), p,
+                           nr.num_computed_tokens)
+            n = so.num_scheduled_tokens[nr.req_id]
+            st.scheduled = tokens[nr.num_computed_tokens:nr.num_computed_tokens + n]
+            self.requests[nr.req_id] = st
+        for cr in so.cached_reqs:
+            st = self.requests[cr.req_id]
+            st.block_ids.extend(cr.new_block_ids)
+            st.num_computed_tokens = cr.num_computed_tokens
+            del st.token_ids[cr.num_computed_tokens:]
+            st.token_ids.extend(cr.new_token_ids)
+            st.scheduled = list(cr.new_token_ids)
+
+    # -- inputs ----------------------------------------------------------
+    def _prepare(self, so: SchedulerOutput) -> _StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        last_row: dict[str, int] = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.requests[rid]
+            assert len(st.scheduled) == n, (rid, len(st.scheduled), n)
+            start = st.num_computed_tokens
+            ids.extend(st.scheduled)
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(st.block_ids)
+            last_row[rid] = len(ids) - 1
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        rows = [last_row[r] for r in so.sampling_req_ids]
+        return _StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta=meta,
+            sample_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            sample_req_ids=list(so.sampling_req_ids),
+        )
+
+    # -- forward ---------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> torch.Tensor | None:
+        """Runs the forward; returns logits [S, V] float32 for the sampled rows."""
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return None
+        inp = self._prepare(so)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        self._pending_req_ids = inp.sample_req_ids
+        if not inp.sample_req_ids:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
+
+    @torch.inference_mode()
+    def sample(self, so: SchedulerOutput, logits: torch.Tensor | None,
+               bitmask: torch.Tensor | None) -> ModelRunnerOutput:
+        req_ids = list(so.sampling_req_ids)
+        if logits is None or not req_ids:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        rows = None
+        if bitmask is not None:
+            pos = {r: i for i, r in enumerate(req_ids)}
+            rows = torch.tensor([pos[r] for r in so.structured_req_ids], dtype=torch.int64)
+        batch = self._sampling_batch(req_ids)
+        out = self.sampler(logits, batch, bitmask, rows)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=out.token_ids, logprobs=out.logprobs)
+
+    def _sampling_batch(self, req_ids: list[str]) -> SamplingBatch:
+        states = [self.requests[r] for r in req_ids]
+        ps = [s.params for s in states]
+        dev = self.device
+        vocab = 1 << 62
+
+        def col(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        all_greedy = all(p.greedy for p in ps)
+        use_top_p = any(p.top_p < 1.0 for p in ps)
+        use_top_k = any(p.top_k > 0 for p in ps)
+        use_min_p = any(p.min_p > 0 for p in ps)
+        use_pf = any(p.presence_penalty or p.frequency_penalty for p in ps)
+        use_rep = any(p.repetition_penalty != 1.0 for p in ps)
+        nlp = [p.logprobs for p in ps]
+        return SamplingBatch(
+            temperature=col([0.0 if p.greedy else p.temperature for p in ps]),
+            top_p=col([p.top_p for p in ps]) if use_top_p else None,
+            top_k=col([p.top_k if p.top_k > 0 else vocab for p in ps], torch.int64) if use_top_k else None,
+            min_p=col([p.min_p for p in ps]) if use_min_p else None,
+            all_greedy=all_greedy,
+            seeds=[_token_seed(s.params.seed, len(s.token_ids) - s.num_prompt_tokens)
+                   if s.params.seed is not None else None for s in states],
+            presence=col([p.presence_penalty for p in ps]) if use_pf else None,
+            frequency=col([p.frequency_penalty for p in ps]) if use_pf else None,
+            repetition=col([p.repetition_penalty for p in ps]) if use_rep else None,
+            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states] if use_pf else None,
+            all_token_ids=[s.token_ids for s in states] if use_rep else None,
+            max_num_logprobs=max((n for n in nlp if n is not None), default=None),
+            num_logprobs=nlp,
+        )

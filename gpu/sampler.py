@@ -1,0 +1,143 @@
+"""logits -> grammar bitmask -> penalties -> logprobs -> temperature / min-p /
+top-k / top-p -> token ids.
+
+Order matters: the grammar mask is applied first, so that neither logprobs nor
+any sampling step can ever see (or pick) a token the grammar forbids.
+Per-request seeds are reproducible regardless of batch composition: a seeded
+row draws its noise from its own torch.Generator, one draw per sampled token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.bitmask import apply_bitmask
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling state for the rows sampled this step (built by the runner)."""
+    temperature: torch.Tensor          # [B] float32, 0 -> greedy
+    top_p: torch.Tensor | None         # [B] float32, None when all rows are 1.0
+    top_k: torch.Tensor | None         # [B] int64 (vocab = disabled), None when unused
+    min_p: torch.Tensor | None         # [B] float32, None when unused
+    all_greedy: bool
+    # per row: the seed of THIS token's draw (derived from the request seed and the
+    # output position, so it is independent of batch composition and preemption),
+    # or None -> the process-wide generator
+    seeds: list[int | None]
+    # penalties (None when no row uses them)
+    presence: torch.Tensor | None      # [B]
+    frequency: torch.Tensor | None     # [B]
+    repetition: torch.Tensor | None    # [B]
+    output_token_ids: list[list[int]] | None   # per row, for presence/frequency
+    all_token_ids: list[list[int]] | None      # per row, prompt+output, for repetition
+    max_num_logprobs: int | None       # None -> no row wants logprobs
+    num_logprobs: list[int | None]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: (chosen logprob, [(token_id, logprob) * n]) or None
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None
+
+
+def _token_counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[B, vocab] int counts of each token id in each row (does not mutate rows)."""
+    b = len(rows)
+    counts = torch.zeros(b, vocab, dtype=torch.int32, device=device)
+    lens = [len(r) for r in rows]
+    if sum(lens) == 0:
+        return counts
+    flat = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=device)
+    row_idx = torch.repeat_interleave(torch.arange(b, device=device), torch.tensor(lens, device=device))
+    counts.index_put_((row_idx, flat), torch.ones_like(flat, dtype=torch.int32), accumulate=True)
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place. OpenAI presence/frequency on output tokens; HF/vLLM-style
+    repetition penalty on prompt+output tokens."""
+    vocab = logits.shape[1]
+    if batch.repetition is not None and batch.all_token_ids is not None:
+        seen = _token_counts(batch.all_token_ids, vocab, logits.device) > 0
+        rep = batch.repetition[:, None].expand_as(logits)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(seen, penalised, logits))
+    if batch.output_token_ids is not None and (batch.presence is not None or batch.frequency is not None):
+        counts = _token_counts(batch.output_token_ids, vocab, logits.device).to(logits.dtype)
+        if batch.frequency is not None:
+            logits -= batch.frequency[:, None] * counts
+        if batch.presence is not None:
+            logits -= batch.presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Returns logits with excluded tokens at -inf. logits: [B, V] float32, already / temperature."""
+    if batch.min_p is not None:
+        probs = logits.softmax(-1)
+        top = probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < batch.min_p[:, None] * top, float("-inf"))
+    if batch.top_k is None and batch.top_p is None:
+        return logits
+    sorted_logits, sorted_idx = logits.sort(-1, descending=True)
+    if batch.top_k is not None:
+        ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= batch.top_k[:, None], float("-inf"))
+    if batch.top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        cum = probs.cumsum(-1)
+        # keep a token if the mass strictly before it is < top_p (always keeps the first)
+        remove = (cum - probs) >= batch.top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _random_sample(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+    """Exponential-race sampling: argmax(p / q), q ~ Exp(1) (== multinomial)."""
+    q = torch.empty_like(probs)
+    q.exponential_()
+    if any(s is not None for s in seeds):
+        gen = torch.Generator(device=probs.device)
+        for i, seed in enumerate(seeds):
+            if seed is not None:
+                gen.manual_seed(seed)
+                q[i].exponential_(generator=gen)
+    return probs.div(q).argmax(-1)
+
+
+def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, batch: SamplingBatch):
+    logp = logits.log_softmax(-1)
+    top_vals, top_idx = logp.topk(max(batch.max_num_logprobs, 1), dim=-1)
+    chosen_lp = logp.gather(1, chosen[:, None])[:, 0].tolist()
+    top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
+    out = []
+    for i, n in enumerate(batch.num_logprobs):
+        if n is None:
+            out.append(None)
+        else:
+            out.append((chosen_lp[i], list(zip(top_idx[i][:n], top_vals[i][:n]))))
+    return out
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
+                 bitmask: torch.Tensor | None = None,
+                 bitmask_rows: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: [B, V] float32 (mutated). bitmask: [M, ceil(V/32)] int32 for rows bitmask_rows."""
+        if bitmask is not None and bitmask.shape[0] > 0:
+            apply_bitmask(logits, bitmask, bitmask_rows)
+        if batch.presence is not None or batch.frequency is not None or batch.repetition is not None:
+            apply_penalties(logits, batch)
+        greedy = logits.argmax(-1)
+        if batch.all_greedy:
+            chosen = greedy
+        else:
+            temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+            scaled = _top_k_top_p_min_p(logits / temp[:, None], batch)
+            sampled = _random_sample(scaled.softmax(-1), batch.seeds)
+            chosen = torch.where(batch.temperature > 0, sampled, greedy)
+        logprobs = _logprobs(logits, chosen, batch) if batch.max_num_logprobs is not None else None
+        return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs)

