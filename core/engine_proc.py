@@ -1,0 +1,174 @@
+"""The EngineCore process: a busy loop between two ZMQ sockets.
+
+    gateway --PUSH--> input  (msgpack InputMessage: add | abort | utility | shutdown)
+    gateway <--PULL-- output (msgpack EngineCoreOutputs)
+
+The gateway binds both sockets; this process connects. The first message on
+the output socket is the ready handshake: EngineCoreOutputs with
+`utility_call_id == READY_CALL_ID` and `utility_result` = model info (or
+{"error": text} when the engine could not start).
+
+Loop: block on input while idle; otherwise drain input without blocking, step,
+publish outputs. The process exits on a shutdown message, SIGTERM, or when its
+parent dies (PR_SET_PDEATHSIG on Linux, plus a getppid() check).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from schemas.config import EngineConfig
+from schemas.engine import (EngineCoreOutput, EngineCoreOutputs, FinishReason, InputMessage)
+
+log = logging.getLogger("formwork.engine")
+
+READY_CALL_ID = 0
+IDLE_POLL_MS = 1000          # how often an idle engine checks that its parent lives
+PARENT_CHECK_S = 1.0
+UTILITY_METHODS = ("ping", "get_stats", "info")
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGTERM us when the parent exits (Linux only)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def engine_info(core) -> dict[str, Any]:
+    info = core.info
+    return {"max_model_len": core.max_model_len, "vocab_size": core.vocab_size,
+            "num_kv_blocks": info.num_kv_blocks, "block_size": core.config.block_size,
+            "device": info.device, "dtype": info.dtype,
+            "attention_backend": info.attention_backend,
+            "structured_backend": core.config.structured_backend,
+            "load_seconds": round(info.load_seconds, 2), "pid": os.getpid()}
+
+
+class EngineLoop:
+    """Owns the sockets; the EngineCore owns all request state."""
+
+    def __init__(self, core, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.parent_pid = parent_pid
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(InputMessage)
+        self.poller = zmq.Poller()
+        self.poller.register(in_sock, zmq.POLLIN)
+        self.running = True
+        self._last_parent_check = time.monotonic()
+
+    def run(self) -> None:
+        while self.running:
+            if not self.core.has_unfinished_requests():
+                if not self.poller.poll(IDLE_POLL_MS):
+                    self._check_parent()
+                    continue
+            self._drain_input()
+            self._check_parent()
+            if self.running and self.core.has_unfinished_requests():
+                outs = self.core.step()
+                if outs.outputs:
+                    self._send(outs)
+
+    def _check_parent(self) -> None:
+        now = time.monotonic()
+        if now - self._last_parent_check < PARENT_CHECK_S:
+            return
+        self._last_parent_check = now
+        if os.getppid() != self.parent_pid:
+            log.warning("parent process %d is gone; engine exits", self.parent_pid)
+            self.running = False
+
+    def _drain_input(self) -> None:
+        while self.running:
+            try:
+                frame = self.in_sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self.decoder.decode(frame.buffer))
+
+    def _handle(self, msg: InputMessage) -> None:
+        if msg.shutdown:
+            self.running = False
+        elif msg.add is not None:
+            try:
+                self.core.add_request(msg.add)
+            except ValueError as e:  # refused: finish it alone, the engine carries on
+                self._send(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                    request_id=msg.add.request_id, new_token_ids=[],
+                    finish_reason=FinishReason.ERROR, error=str(e))]))
+        elif msg.abort is not None:
+            self.core.abort_requests(msg.abort.request_ids)
+        elif msg.utility is not None:
+            self._send(EngineCoreOutputs(utility_call_id=msg.utility.call_id,
+                                         utility_result=self._utility(msg.utility.method)))
+
+    def _utility(self, method: str) -> dict:
+        try:
+            if method == "ping":
+                return {"ok": True}
+            if method == "get_stats":
+                return msgspec.structs.asdict(self.core.get_stats())
+            if method == "info":
+                return engine_info(self.core)
+            return {"error": f"unknown utility method {method!r}; known: {UTILITY_METHODS}"}
+        except Exception as e:  # a failing read-only call must not kill the engine
+            log.exception("utility %s failed", method)
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def _send(self, outs: EngineCoreOutputs) -> None:
+        self.out_sock.send(self.encoder.encode(outs), copy=False)
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                    parent_pid: int, log_level: int = logging.INFO) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent owns Ctrl-C and tells us
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.connect(input_addr)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    out_sock.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    core = None
+    try:
+        from core.engine_core import EngineCore
+        core = EngineCore(config)
+        out_sock.send(encoder.encode(EngineCoreOutputs(
+            utility_call_id=READY_CALL_ID, utility_result=engine_info(core))))
+        EngineLoop(core, in_sock, out_sock, parent_pid).run()
+    except SystemExit:
+        pass
+    except BaseException as e:
+        log.exception("engine failed")
+        if core is None:
+            out_sock.send(encoder.encode(EngineCoreOutputs(
+                utility_call_id=READY_CALL_ID, utility_result={"error": f"{type(e).__name__}: {e}"})))
+        raise
+    finally:
+        if core is not None:
+            core.shutdown()
+        in_sock.close(linger=0)
+        out_sock.close()
+        ctx.term()

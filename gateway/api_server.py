@@ -1,0 +1,156 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+`build_app(config, ...)` returns an app whose lifespan loads the tokenizer,
+spawns the EngineCore process and shuts it down again; `run_server` serves it.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /health, GET /metrics, GET /version. With an API key set, /v1/* needs
+`Authorization: Bearer <key>`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from importlib import metadata
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.engine_client import EngineClient
+from gateway.errors import APIError, EngineDeadError, install_error_handlers
+from gateway.metrics import CONTENT_TYPE, Metrics
+from gateway.serving import ServerState
+from gateway.serving_chat import create_chat_completion
+from gateway.serving_completion import create_completion
+from schemas.config import EngineConfig
+from schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+log = logging.getLogger("formwork.gateway")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def version() -> str:
+    try:
+        return metadata.version("formwork")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+class AuthMiddleware:
+    """Pure ASGI (keeps streaming cancellation intact): checks the bearer key on /v1/*."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+                and scope.get("method") != "OPTIONS":
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"")
+            if not auth:
+                err = APIError(401, "You didn't provide an API key. Send it in the Authorization "
+                               "header: 'Authorization: Bearer YOUR_KEY'.", code="invalid_api_key")
+                return await err.to_response()(scope, receive, send)
+            if not hmac.compare_digest(auth, b"Bearer " + self.api_key):
+                err = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+                return await err.to_response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _state(request: Request) -> ServerState:
+    state = getattr(request.app.state, "server", None)
+    if state is None:
+        raise EngineDeadError("The server is still starting.")
+    return state
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(_state(request), body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(_state(request), body, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state = _state(request)
+        cards = [ModelCard(id=name, root=state.engine.config.model or DEFAULT_MODEL_NAME,
+                           max_model_len=state.max_model_len)
+                 for name in state.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    @app.get("/health")
+    async def health(request: Request):
+        state = _state(request)
+        if not await state.engine.is_healthy():
+            raise EngineDeadError("The engine does not answer.")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        state = _state(request)
+        stats = None
+        with contextlib.suppress(Exception):
+            stats = await state.engine.get_stats()
+        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": version()}
+
+
+def build_app(config: EngineConfig, *, served_model_names: list[str] | None = None,
+              api_key: str | None = None) -> FastAPI:
+    names = tuple(served_model_names or [config.model or DEFAULT_MODEL_NAME])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from core.tokenizer import load_tokenizer
+        t0 = time.monotonic()
+        engine = EngineClient(config)
+        # the engine process loads the model while this one loads the tokenizer
+        starting = asyncio.create_task(engine.start())
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+            engine.set_tokenizer(tokenizer)
+            info = await starting
+        except BaseException:
+            starting.cancel()
+            await engine.shutdown()
+            raise
+        log.info("engine ready in %.1f s", time.monotonic() - t0)
+        log.info("formwork %s serving %s as %s | %s on %s | KV cache %d blocks x %d tokens | "
+                 "max_model_len %d | attention %s | structured outputs %s | engine pid %d",
+                 version(), config.model or DEFAULT_MODEL_NAME, ", ".join(names), info["dtype"],
+                 info["device"], info["num_kv_blocks"], info["block_size"], info["max_model_len"],
+                 info["attention_backend"], info["structured_backend"], info["pid"])
+        app.state.server = ServerState(engine=engine, tokenizer=tokenizer,
+                                       served_model_names=names,
+                                       max_model_len=info["max_model_len"],
+                                       metrics=Metrics(names[0]), api_key=api_key)
+        try:
+            yield
+        finally:
+            log.info("shutting down the engine")
+            await engine.shutdown()
+
+    app = FastAPI(title="formwork", version=version(), lifespan=lifespan)
+    install_error_handlers(app)
+    _add_routes(app)
+    if api_key:
+        app.add_middleware(AuthMiddleware, api_key=api_key)
+    return app
+
+
+def run_server(config: EngineConfig, *, host: str, port: int,
+               served_model_names: list[str] | None = None, api_key: str | None = None,
+               log_level: str = "info") -> None:
+    import uvicorn
+
+    app = build_app(config, served_model_names=served_model_names, api_key=api_key)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

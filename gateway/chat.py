@@ -1,0 +1,135 @@
+"""Chat messages -> prompt text and token ids, with the tools prompt.
+
+A chat template that knows about tools (its source mentions `tools`) receives
+them through `apply_chat_template(tools=...)`. Templates without tool support
+(SmolLM2's plain ChatML is one) get a Hermes-style system prompt instead:
+
+    <existing system prompt, if any>
+
+    # Tools
+    You may call one or more functions ... <tools>
+    {"type": "function", "function": {...}}
+    </tools>
+    ... <tool_call>
+    {"name": <function-name>, "arguments": <args-json-object>}
+    </tool_call>
+
+and earlier assistant tool calls / tool results are rendered in the same
+format (`<tool_call>...</tool_call>`, `<tool_response>...</tool_response>`).
+With tool_choice "none" the tools are left out of the prompt.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.errors import bad_request
+from gateway.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolMode
+from schemas.openai import ChatMessage
+
+TOOLS_PROMPT = (
+    "# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n"
+    f"{TOOL_CALL_OPEN}\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n'
+    f"{TOOL_CALL_CLOSE}"
+)
+
+
+def template_supports_tools(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates: {"default": ..., "tool_use": ...}
+        return "tool_use" in template or any("tools" in t for t in template.values())
+    return "tools" in template
+
+
+def tools_system_prompt(mode: ToolMode) -> str:
+    lines = [json.dumps({"type": "function", "function": t.model_dump(exclude_none=True)},
+                        ensure_ascii=False) for t in mode.tools]
+    return TOOLS_PROMPT.format(tools="\n".join(lines))
+
+
+def _text_content(msg: ChatMessage, index: int) -> str:
+    if msg.content is None:
+        return ""
+    if isinstance(msg.content, str):
+        return msg.content
+    parts = []
+    for part in msg.content:
+        if part.get("type") not in ("text", "input_text") or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"messages[{index}].content: only text content parts are supported, "
+                f"got type {part.get('type')!r}", param=f"messages[{index}].content")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _arguments_obj(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def _hermes_message(msg: ChatMessage, text: str) -> dict:
+    """One message with tool calls / results spelled out for a template without tools."""
+    role = "system" if msg.role == "developer" else msg.role
+    if msg.role == "assistant" and msg.tool_calls:
+        calls = [f"{TOOL_CALL_OPEN}\n" + json.dumps(
+            {"name": c.function.name, "arguments": _arguments_obj(c.function.arguments)},
+            ensure_ascii=False) + f"\n{TOOL_CALL_CLOSE}" for c in msg.tool_calls]
+        text = "\n".join(([text] if text else []) + calls)
+    if msg.role == "tool":
+        text = f"<tool_response>\n{text}\n</tool_response>"
+    return {"role": role, "content": text}
+
+
+def _native_message(msg: ChatMessage, text: str) -> dict:
+    out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role,
+                           "content": text}
+    if msg.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name,
+                                           "arguments": _arguments_obj(c.function.arguments)}}
+                             for c in msg.tool_calls]
+    if msg.tool_call_id:
+        out["tool_call_id"] = msg.tool_call_id
+    if msg.name:
+        out["name"] = msg.name
+    return out
+
+
+def render_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: bool) -> list[dict]:
+    """Plain dict messages for `apply_chat_template`; adds the tools prompt when needed."""
+    convert = _native_message if native_tools else _hermes_message
+    out = [convert(m, _text_content(m, i)) for i, m in enumerate(messages)]
+    if mode.in_prompt and not native_tools:
+        section = tools_system_prompt(mode)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{section}".lstrip()
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out
+
+
+def build_chat_prompt(tokenizer, messages: list[ChatMessage], mode: ToolMode,
+                      template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """Render and tokenize. Template errors are the caller's fault: 400 on `messages`."""
+    native = template_supports_tools(tokenizer)
+    dicts = render_messages(messages, mode, native)
+    kwargs = dict(template_kwargs or {})
+    if native and mode.in_prompt:
+        kwargs["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True)}
+                           for t in mode.tools]
+    try:
+        prompt = tokenizer.apply_chat_template(
+            dicts, add_generation_prompt=True, tokenize=False, **kwargs)
+    except Exception as e:  # jinja raises TemplateError / TypeError on bad conversations
+        raise bad_request(f"messages: the chat template rejected the conversation: {e}",
+                          param="messages") from None
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return prompt, list(ids)

@@ -1,0 +1,241 @@
+"""Async client of the EngineCore process (zmq.asyncio + msgspec msgpack).
+
+Owns: the engine process, both sockets, one asyncio.Queue per in-flight
+request, the OutputProcessor (detokenization, stop strings, n > 1 fan-in).
+A background task reads engine outputs and routes them to the queues; a
+watcher on the process sentinel marks the engine dead and fails every waiting
+request with EngineDeadError (503).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from typing import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from core.engine_proc import READY_CALL_ID, run_engine_core
+from gateway.errors import PARAM_PREFIX, APIError, EngineDeadError
+from gateway.output_processor import OutputProcessor, RequestOutput
+from schemas.config import EngineConfig
+from schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreUtility, EngineStats,
+                            InputMessage)
+from schemas.sampling import SamplingParams
+
+log = logging.getLogger("formwork.gateway")
+
+
+class EngineRequestError(APIError):
+    """The engine finished a request with an error (refused it, grammar failed)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        m = PARAM_PREFIX.match(message)
+        super().__init__(400, message, param=param or (m.group(1) if m else None),
+                         code="engine_request_error")
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, tokenizer=None, *,
+                 ready_timeout_s: float = 900.0) -> None:
+        """`tokenizer` may be given later (set_tokenizer) so that it loads while the
+        engine starts; it must be set before the first generate()."""
+        self.config = config
+        self.ready_timeout_s = ready_timeout_s
+        self.tokenizer = None
+        self.processor: OutputProcessor | None = None
+        if tokenizer is not None:
+            self.set_tokenizer(tokenizer)
+        self.info: dict = {}
+        self.dead = False
+        self._closing = False
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._utility: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(READY_CALL_ID + 1)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._tmpdir = tempfile.mkdtemp(prefix="formwork-")
+        self._ctx = zmq.asyncio.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._reader: asyncio.Task | None = None
+
+    def set_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer)
+
+    # -- lifecycle ------------------------------------------------------------
+    async def start(self) -> dict:
+        """Spawn the engine, wait for its ready handshake, return its model info."""
+        in_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
+        out_addr = f"ipc://{os.path.join(self._tmpdir, 'output')}"
+        self._in.bind(in_addr)
+        self._out.bind(out_addr)
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(target=run_engine_core, name="EngineCore", daemon=True,
+                                 args=(self.config, in_addr, out_addr, os.getpid(),
+                                       logging.getLogger().getEffectiveLevel()))
+        self._proc.start()
+        self.info = await self._wait_ready()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._proc.sentinel, self._on_engine_exit)
+        self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
+        return self.info
+
+    async def _wait_ready(self) -> dict:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if await self._out.poll(500):
+                outs = self._decoder.decode(await self._out.recv())
+                result = outs.utility_result or {}
+                if outs.utility_call_id == READY_CALL_ID and "error" not in result:
+                    return result
+                raise RuntimeError(f"engine failed to start: {result.get('error', outs)}")
+            if not self._proc.is_alive():
+                raise RuntimeError(f"engine process exited during start-up "
+                                   f"(exit code {self._proc.exitcode})")
+        raise RuntimeError(f"engine not ready after {self.ready_timeout_s:.0f} s")
+
+    def _on_engine_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        if not self.dead and not self._closing:
+            log.error("engine process exited (code %s); requests now get 503", self._proc.exitcode)
+        self._fail_all()
+
+    def _fail_all(self) -> None:
+        self.dead = True
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError())
+        for fut in self._utility.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError())
+        self._utility.clear()
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the engine to stop, then terminate / kill it if it lingers."""
+        self._closing = True
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._send(InputMessage(shutdown=True)), 2.0)
+            await asyncio.to_thread(proc.join, timeout_s)
+            if proc.is_alive():
+                proc.terminate()
+                await asyncio.to_thread(proc.join, 5.0)
+            if proc.is_alive():
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5.0)
+        self.dead = True
+        if self._reader is not None:
+            self._reader.cancel()
+        self._ctx.destroy(linger=0)      # closes both sockets; never waits on a peer
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    # -- I/O -------------------------------------------------------------------
+    async def _send(self, msg: InputMessage) -> None:
+        """Never blocks for good: a PUSH socket without a live peer would wait forever
+        (e.g. the engine got the same SIGTERM as this process), so poll without
+        blocking and give up with EngineDeadError once the engine is gone."""
+        data = self._encoder.encode(msg)
+        while True:
+            try:
+                await self._in.send(data, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if self.dead or (self._proc is not None and not self._proc.is_alive()):
+                    raise EngineDeadError() from None
+                await asyncio.sleep(0.005)
+
+    async def _read_outputs(self) -> None:
+        try:
+            while True:
+                outs = self._decoder.decode(await self._out.recv())
+                if outs.utility_call_id is not None:
+                    fut = self._utility.pop(outs.utility_call_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(outs.utility_result or {})
+                    continue
+                results, to_abort = self.processor.process_outputs(outs.outputs)
+                if to_abort:
+                    await self._send(InputMessage(abort=EngineCoreAbort(request_ids=to_abort)))
+                for ro in results:
+                    q = self._queues.get(ro.request_id)
+                    if q is not None:
+                        q.put_nowait(ro)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("engine output reader failed")
+            self._fail_all()
+
+    # -- public API --------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutputs (with deltas) until finished. Leaving early aborts it."""
+        if self.dead:
+            raise EngineDeadError()
+        q: asyncio.Queue = asyncio.Queue()
+        engine_reqs = self.processor.add_request(request_id, prompt, prompt_token_ids, params,
+                                                 time.monotonic())
+        self._queues[request_id] = q
+        finished = False
+        try:
+            for er in engine_reqs:
+                await self._send(InputMessage(add=er))
+            while not finished:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                errors = [c.error for c in item.outputs if c.finish_reason == "error"]
+                if errors:
+                    finished = item.finished
+                    raise EngineRequestError(errors[0] or "the engine failed this request")
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        ids = self.processor.abort_request(request_id)
+        if ids and not self.dead:
+            await self._send(InputMessage(abort=EngineCoreAbort(request_ids=ids)))
+
+    async def call_utility(self, method: str, timeout_s: float = 5.0) -> dict:
+        if self.dead:
+            raise EngineDeadError()
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._utility[call_id] = fut
+        try:
+            await self._send(InputMessage(utility=EngineCoreUtility(call_id=call_id, method=method)))
+            result = await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._utility.pop(call_id, None)
+        if "error" in result:
+            raise RuntimeError(f"engine utility {method!r} failed: {result['error']}")
+        return result
+
+    async def is_healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            await self.call_utility("ping", timeout_s)
+            return True
+        except (EngineDeadError, asyncio.TimeoutError, RuntimeError):
+            return False
+
+    async def get_stats(self, timeout_s: float = 5.0) -> EngineStats:
+        return msgspec.convert(await self.call_utility("get_stats", timeout_s), EngineStats)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None

@@ -1,0 +1,131 @@
+"""What the chat and completions handlers share: server state, model check,
+token text for logprobs, SSE framing, and cancellation on client disconnect."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+
+from gateway.engine_client import EngineClient, EngineRequestError
+from gateway.errors import APIError
+from gateway.metrics import Metrics, RequestTimer
+from gateway.output_processor import RequestOutput
+from schemas.sampling import SamplingParams
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: EngineClient
+    tokenizer: Any
+    served_model_names: tuple[str, ...]
+    max_model_len: int
+    metrics: Metrics
+    api_key: str | None = None
+
+    def check_model(self, model: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if model is None or model in self.served_model_names:
+            return model or self.served_model_names[0]
+        raise APIError(404, f"The model `{model}` does not exist. This server serves: "
+                       f"{', '.join(self.served_model_names)}.",
+                       type="invalid_request_error", param="model", code="model_not_found")
+
+
+class TokenText:
+    """Token id -> its text (cached), for logprobs."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+
+def blame(err: APIError, source: str | None) -> APIError:
+    """An engine-side failure of a constrained request without a param names the
+    constraint's field (the grammar failed to compile in the engine)."""
+    if isinstance(err, EngineRequestError) and err.param is None and source is not None:
+        return EngineRequestError(f"{source}: {err.message}", param=source)
+    return err
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(
+        payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def sse_error(err: APIError) -> str:
+    return sse({"error": {"message": err.message, "type": err.type, "param": err.param,
+                          "code": err.code}})
+
+
+async def run_until_disconnect(coro: Awaitable[T], request: Request) -> T:
+    """Await `coro`, cancelling it (so the engine request is aborted) if the client leaves."""
+    task = asyncio.ensure_future(coro)
+
+    async def listen() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(listen())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise APIError(499, "client disconnected", type="client_closed_request")
+    return task.result()
+
+
+async def generate_final(state: ServerState, request_id: str, prompt: str | None,
+                         prompt_ids: list[int], params: SamplingParams,
+                         timer: RequestTimer) -> RequestOutput:
+    """Run one request to completion; records its metrics (also when cut short)."""
+    final: RequestOutput | None = None
+    try:
+        async with contextlib.aclosing(
+                state.engine.generate(request_id, prompt, prompt_ids, params)) as gen:
+            async for ro in gen:
+                timer.on_tokens(sum(len(c.delta_token_ids) for c in ro.outputs))
+                final = ro
+    finally:
+        reasons = ([c.finish_reason for c in final.outputs] if final is not None and final.finished
+                   else ["abort"] * params.n)
+        state.metrics.observe_finished(timer, len(prompt_ids), reasons)
+    assert final is not None and final.finished
+    return final
+
+
+async def stream_outputs(state: ServerState, request_id: str, prompt: str | None,
+                         prompt_ids: list[int], params: SamplingParams,
+                         timer: RequestTimer) -> AsyncIterator[RequestOutput]:
+    """Like `generate_final` but yields every RequestOutput; closing it aborts the request."""
+    last: RequestOutput | None = None
+    try:
+        async with contextlib.aclosing(
+                state.engine.generate(request_id, prompt, prompt_ids, params)) as gen:
+            async for ro in gen:
+                timer.on_tokens(sum(len(c.delta_token_ids) for c in ro.outputs))
+                last = ro
+                yield ro
+    finally:
+        reasons = ([c.finish_reason for c in last.outputs] if last is not None and last.finished
+                   else ["abort"] * params.n)
+        state.metrics.observe_finished(timer, len(prompt_ids), reasons)

@@ -1,0 +1,173 @@
+"""POST /v1/chat/completions: request -> prompt + SamplingParams -> JSON or SSE."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.chat import build_chat_prompt
+from gateway.errors import APIError
+from gateway.metrics import RequestTimer
+from gateway.output_processor import CompletionOutput, RequestOutput
+from gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens, sampling_params,
+                            structured_from_request, validate_constraint)
+from gateway.serving import (ServerState, TokenText, blame, generate_final,
+                             run_until_disconnect, sse, sse_error, stream_outputs)
+from gateway.tools import (ToolMode, ToolStreamParser, finish_reason_with_tools,
+                           parse_tool_output, resolve_tool_mode, tool_constraint)
+from schemas.engine import TokenLogprobs
+from schemas.openai import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                            ChatCompletionResponse, ChatStreamChoice, ChoiceLogprobs, DeltaMessage,
+                            ResponseMessage, TokenLogprob, TopLogprob, UsageInfo, random_id)
+from schemas.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class PreparedChat:
+    model: str
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    mode: ToolMode
+    source: str | None       # request field of the output constraint, if any
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
+    """All validation before anything is queued. The constraint check runs in a worker
+    thread (it may compile); the tokenizer is only used on the event loop's thread
+    (HF fast tokenizers fail when one instance is used from several threads)."""
+    model = state.check_model(req.model)
+    mode = resolve_tool_mode(req)
+    structured, source = structured_from_request(req, tool_constraint(mode))
+    if structured is not None:
+        await asyncio.to_thread(validate_constraint, structured, source,
+                                state.engine.config.structured_backend)
+    prompt, ids = build_chat_prompt(state.tokenizer, req.messages, mode, req.chat_template_kwargs)
+    requested, max_param = chat_max_tokens(req)
+    max_tokens = context_max_tokens(len(ids), requested, state.max_model_len, "messages")
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=chat_logprobs(req),
+                             structured=structured,
+                             rename={"max_tokens": max_param, "logprobs": "top_logprobs"})
+    return PreparedChat(model, prompt, ids, params, mode, source)
+
+
+def chat_logprobs_obj(lps: list[TokenLogprobs] | None, text: TokenText) -> ChoiceLogprobs | None:
+    if lps is None:
+        return None
+
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        t = text(token_id)
+        return TopLogprob(token=t, logprob=logprob, bytes=list(t.encode("utf-8")))
+
+    content = []
+    for lp in lps:
+        chosen = top(lp.chosen.token_id, lp.chosen.logprob)
+        content.append(TokenLogprob(**chosen.model_dump(),
+                                    top_logprobs=[top(a.token_id, a.logprob) for a in lp.top]))
+    return ChoiceLogprobs(content=content)
+
+
+def _usage(prompt_len: int, ro: RequestOutput) -> UsageInfo:
+    completion = sum(len(c.token_ids) for c in ro.outputs)
+    return UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion,
+                     total_tokens=prompt_len + completion,
+                     prompt_tokens_details={"cached_tokens": ro.num_cached_tokens})
+
+
+def _choice(c: CompletionOutput, mode: ToolMode, text: TokenText) -> ChatChoice:
+    content, calls = parse_tool_output(mode, c.text)
+    return ChatChoice(index=c.index,
+                      message=ResponseMessage(content=content, tool_calls=calls),
+                      logprobs=chat_logprobs_obj(c.logprobs, text),
+                      finish_reason=finish_reason_with_tools(c.finish_reason, calls),
+                      stop_reason=c.stop_reason)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+    timer = RequestTimer()
+    prep = await prepare_chat(state, req)
+    request_id = random_id("chatcmpl-")
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_chat_stream(state, prep, request_id, timer, include_usage),
+                                 media_type="text/event-stream")
+    try:
+        final = await run_until_disconnect(
+            generate_final(state, request_id, prep.prompt, prep.prompt_ids, prep.params, timer), raw)
+    except APIError as e:
+        raise blame(e, prep.source) from None
+    text = TokenText(state.tokenizer)
+    resp = ChatCompletionResponse(id=request_id, model=prep.model,
+                                  choices=[_choice(c, prep.mode, text) for c in final.outputs],
+                                  usage=_usage(len(prep.prompt_ids), final))
+    return JSONResponse(resp.model_dump(mode="json"))
+
+
+def _chunk(request_id: str, created: int, model: str, choice: ChatStreamChoice | None,
+           include_usage: bool, usage: UsageInfo | None = None) -> str:
+    chunk = ChatCompletionChunk(id=request_id, created=created, model=model,
+                                choices=[choice] if choice is not None else [], usage=usage)
+    data = chunk.model_dump(mode="json")
+    for c, model_choice in zip(data["choices"], chunk.choices):
+        c["delta"] = model_choice.delta.model_dump(mode="json", exclude_none=True)
+        if model_choice.logprobs is None:
+            c["logprobs"] = None
+    if not include_usage:
+        data.pop("usage")
+    return sse(data)
+
+
+async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
+                       timer: RequestTimer, include_usage: bool) -> AsyncIterator[str]:
+    created, model = int(time.time()), prep.model
+    text = TokenText(state.tokenizer)
+    parsers = [ToolStreamParser(prep.mode) for _ in range(prep.params.n)]
+    for i in range(prep.params.n):
+        yield _chunk(request_id, created, model, ChatStreamChoice(
+            index=i, delta=DeltaMessage(role="assistant", content="")), include_usage)
+    last: RequestOutput | None = None
+    sent_final = [False] * prep.params.n
+    try:
+        async with contextlib.aclosing(stream_outputs(
+                state, request_id, prep.prompt, prep.prompt_ids, prep.params, timer)) as outs:
+            async for ro in outs:
+                last = ro
+                for c in ro.outputs:
+                    if sent_final[c.index]:
+                        continue
+                    for piece in _choice_chunks(c, parsers[c.index], text):
+                        yield _chunk(request_id, created, model, piece, include_usage)
+                    sent_final[c.index] = c.finish_reason is not None
+    except APIError as e:
+        yield sse_error(blame(e, prep.source))
+        yield sse("[DONE]")
+        return
+    if include_usage and last is not None:
+        yield _chunk(request_id, created, model, None, True, _usage(len(prep.prompt_ids), last))
+    yield sse("[DONE]")
+
+
+def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser,
+                   text: TokenText) -> list[ChatStreamChoice]:
+    """The chunks of one completion's delta: content / tool calls, then the finish chunk."""
+    content, calls = parser.feed(c.delta_text)
+    if c.finish_reason is not None:
+        tail_content, tail_calls = parser.finish()
+        content = (content or "") + (tail_content or "") or None
+        calls = calls + tail_calls
+    pieces = []
+    logprobs = chat_logprobs_obj(c.delta_logprobs, text)
+    if content or calls or logprobs is not None:
+        pieces.append(ChatStreamChoice(index=c.index, logprobs=logprobs, delta=DeltaMessage(
+            content=content, tool_calls=calls or None)))
+    if c.finish_reason is not None:
+        reason = c.finish_reason
+        if reason == "stop" and parser.num_calls:
+            reason = "tool_calls"
+        pieces.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason))
+    return pieces

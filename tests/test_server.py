@@ -1,0 +1,533 @@
+"""End-to-end tests of the real server process with the real default model,
+through the official `openai` client (one server for the whole module).
+
+Greedy SmolLM2-135M loops easily: schemas are bounded (maxLength, maxItems,
+enum) and a "length" finish is accepted, but every "stop" output must validate
+and each test needs at least one "stop" so that it cannot pass vacuously.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from enum import Enum
+
+import httpx
+import jsonschema
+import openai
+import psutil
+import pytest
+from pydantic import BaseModel, Field
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str, api_key: str | None = KEY, timeout_s: float = 600,
+                 new_session: bool = False) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="formwork-server-", suffix=".log")
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", *args, "--port", str(self.port),
+               "--log-level", "info"] + (["--api-key", api_key] if api_key else [])
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=new_session)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.logs()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout_s} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-6000:]
+
+    def child_pids(self) -> list[int]:
+        """All descendants (the engine and multiprocessing's resource tracker); asserts
+        that the engine is among them."""
+        kids = psutil.Process(self.proc.pid).children(recursive=True)
+        assert any("spawn_main" in " ".join(k.cmdline()) for k in kids), "no engine process"
+        return [k.pid for k in kids]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def gone(pid: int, timeout_s: float = 30) -> bool:
+    """True once `pid` no longer runs (exited and reaped, or a zombie)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-model-len", "1024", "--max-num-seqs", "64", "--kv-cache-memory-gb", "1")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+def metrics(server) -> dict[str, float]:
+    """Unlabelled samples plus `name{labels}` keys, from the Prometheus text."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def finish_reason_total(m: dict, reason: str) -> float:
+    return sum(v for k, v in m.items()
+               if k.startswith("formwork_request_success_total") and f'finished_reason="{reason}"' in k)
+
+
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ---- plain chat ---------------------------------------------------------------------------
+
+def test_chat_plain_usage_matches_template(client, model, tokenizer):
+    r = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=24)
+    c = r.choices[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert c.message.role == "assistant" and c.message.content
+    assert c.finish_reason in ("stop", "length") and not c.message.tool_calls
+    want = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True)
+    want = want if isinstance(want, list) else want["input_ids"]
+    assert r.usage.prompt_tokens == len(want)
+    assert r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    if c.finish_reason == "length":
+        assert r.usage.completion_tokens == 24
+    assert "Paris" in c.message.content
+
+
+def test_stream_equals_non_stream_and_format(client, model, server):
+    kw = dict(model=model, messages=ASK, temperature=0, max_tokens=16)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    raw = httpx.post(f"{server.url}/v1/chat/completions", json={**kw, "stream": True},
+                     headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    events = [e for e in raw.text.split("\n\n") if e]
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    assert "usage" not in json.loads(events[0][6:])
+
+
+def test_logprobs_and_n(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=5,
+                                       logprobs=True, top_logprobs=3, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].message.content == r.choices[1].message.content   # greedy
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == r.usage.completion_tokens // 2
+    for lp in lps:   # greedy: the chosen token is the most likely one
+        assert len(lp.top_logprobs) == 3 and lp.logprob <= 0
+        assert abs(lp.top_logprobs[0].logprob - lp.logprob) < 1e-4
+        assert lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob >= lp.top_logprobs[2].logprob
+    assert "".join(lp.token for lp in lps) == r.choices[0].message.content
+
+
+def test_completions_endpoint(client, model):
+    r = client.completions.create(model=model, prompt=["The capital of France is", "1, 2, 3,"],
+                                  temperature=0, max_tokens=6, logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1] and r.object == "text_completion"
+    assert "Paris" in r.choices[0].text and r.choices[1].text.startswith(" 4")
+    assert r.choices[0].logprobs.tokens and len(r.choices[0].logprobs.top_logprobs[0]) == 2
+    s = list(client.completions.create(model=model, prompt="The capital of France is",
+                                       temperature=0, max_tokens=6, stream=True))
+    assert "".join(c.choices[0].text for c in s if c.choices) == r.choices[0].text
+
+
+# ---- constrained outputs ----------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3}},
+    "required": ["name", "age", "pets"], "additionalProperties": False}
+PROMPTS = ["Describe Alice, 30, who has a cat, as JSON.", "Give me a JSON person named Bob.",
+           "Create a JSON profile for a pet owner."]
+
+
+def _stops(results) -> list:
+    stops = [r for r in results if r.choices[0].finish_reason == "stop"]
+    assert stops, "no output finished with 'stop'; the check would be vacuous"
+    return stops
+
+
+def test_json_schema_outputs_validate(client, model):
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    results = [client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=80,
+        response_format=rf) for p in PROMPTS]
+    for r in _stops(results):
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+class Color(str, Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Car(BaseModel):
+    brand: str = Field(max_length=16)
+    year: int = Field(ge=1900, le=2030)
+    color: Color
+
+
+def test_parse_with_pydantic_model(client, model):
+    r = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "Describe a red 2010 Toyota car."}],
+        temperature=0, max_tokens=60, response_format=Car)
+    car = r.choices[0].message.parsed
+    assert isinstance(car, Car) and 1900 <= car.year <= 2030 and len(car.brand) <= 16
+
+
+def test_json_object(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Reply with a JSON object with a key 'ok'."}],
+        temperature=0, max_tokens=40, response_format={"type": "json_object"})
+    for s in _stops([r]):
+        assert isinstance(json.loads(s.choices[0].message.content), dict)
+
+
+def test_regex_choice_grammar_via_extra_body(client, model):
+    ask = [{"role": "user", "content": "Name a city and its population in thousands."}]
+    regex = r"[A-Z][a-z]{2,9}, [0-9]{1,4}"
+    r = client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=20,
+                                       extra_body={"structured_outputs": {"regex": regex}})
+    assert r.choices[0].finish_reason == "stop" and re.fullmatch(regex, r.choices[0].message.content)
+    choices = ["positive", "negative", "neutral"]
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Sentiment of 'I love it'?"}],
+        temperature=0, max_tokens=10, extra_body={"structured_outputs": {"choice": choices}})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content in choices
+    grammar = 'root ::= ("yes" | "no") " because " [a-z ]{1,20} "."'
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Is the sky blue?"}], temperature=0,
+        max_tokens=30, extra_body={"structured_outputs": {"grammar": grammar}})
+    if r.choices[0].finish_reason == "stop":
+        assert re.fullmatch(r"(yes|no) because [a-z ]{1,20}\.", r.choices[0].message.content)
+    c = client.completions.create(model=model, prompt="My favourite number is", max_tokens=8,
+                                  temperature=0, extra_body={"structured_outputs": {"regex": " [0-9]{2}"}})
+    assert c.choices[0].finish_reason == "stop" and re.fullmatch(" [0-9]{2}", c.choices[0].text)
+
+
+# ---- tools ----------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a time zone",
+    "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "PST"]}},
+                   "required": ["tz"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris in celsius?"}]
+
+
+def _check_calls(choice) -> list:
+    calls = choice.message.tool_calls or []
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+    return calls
+
+
+def test_tool_choice_required_and_named(client, model):
+    r = client.chat.completions.create(model=model, messages=WEATHER_Q, tools=TOOLS,
+                                       tool_choice="required", temperature=0, max_tokens=80)
+    c = r.choices[0]
+    assert c.finish_reason in ("tool_calls", "length")
+    if c.finish_reason == "tool_calls":
+        assert _check_calls(c) and c.message.content is None
+    r = client.chat.completions.create(
+        model=model, messages=WEATHER_Q, tools=TOOLS, temperature=0, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert [t.function.name for t in _check_calls(c)] == ["get_time"]
+    single = client.chat.completions.create(
+        model=model, messages=WEATHER_Q, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, temperature=0, max_tokens=60)
+    if single.choices[0].finish_reason == "tool_calls":
+        assert len(_check_calls(single.choices[0])) == 1
+
+
+# The tiny model copies text well: asked to repeat a call with an invalid unit, the
+# structural tag (active after "<tool_call>") must force a valid one.
+CALL_Q = [{"role": "user", "content": 'Repeat exactly: <tool_call>\n{"name": "get_weather", '
+           '"arguments": {"city": "Paris", "unit": "kelvin"}}\n</tool_call>'}]
+
+
+def test_tool_choice_auto(client, model):
+    r = client.chat.completions.create(model=model, messages=CALL_Q, tools=TOOLS,
+                                       temperature=0, max_tokens=60)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    calls = _check_calls(c)
+    assert [t.function.name for t in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments)["unit"] in ("celsius", "fahrenheit")
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,
+                                       temperature=0, max_tokens=24)
+    c = r.choices[0]
+    calls = _check_calls(c)
+    assert "<tool_call>" not in (c.message.content or "")   # a call is parsed, never left as text
+    assert (c.finish_reason == "tool_calls") == bool(calls)
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="none",
+                                       temperature=0, max_tokens=16)
+    assert not r.choices[0].message.tool_calls and r.choices[0].message.content
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_streamed_tool_calls_equal_non_streamed(client, model, auto):
+    kw = dict(model=model, messages=WEATHER_Q, tools=TOOLS, temperature=0, max_tokens=40,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if auto:
+        kw.update(messages=CALL_Q, tool_choice="auto", max_tokens=60)
+    whole = client.chat.completions.create(**kw).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or []:
+                e = calls.setdefault(d.index, {"id": d.id, "name": "", "args": ""})
+                e["name"] += d.function.name or ""
+                e["args"] += d.function.arguments or ""
+    assert finish == whole.finish_reason == "tool_calls"
+    assert [(e["name"], json.loads(e["args"])) for e in calls.values()] == [
+        (t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
+    assert calls[0]["id"].startswith("call_")
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+def _post(server, body, key=KEY, path="/v1/chat/completions", **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.url}{path}", headers=headers, timeout=60, **kw,
+                      **({"content": body} if isinstance(body, bytes) else {"json": body}))
+
+
+def _chat(**kw) -> dict:
+    return {"model": "SmolLM2-135M-Instruct", "messages": ASK, "max_tokens": 4, **kw}
+
+
+ERROR_CASES = [  # (body, status, param, code, words that must appear in the message)
+    (b'{"messages": [', 400, None, "invalid_json", ["JSON"]),
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}),
+     400, "response_format", None, ["strin", "properties"]),
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 2}}}}}),
+     400, "response_format", None, ["minLength"]),
+    (_chat(structured_outputs={"regex": "[a-"}), 400, "structured_outputs", None, ["regex"]),
+    (_chat(structured_outputs={"grammar": "root ::= missing_rule"}), 400, "structured_outputs",
+     None, ["grammar"]),
+    (_chat(max_tokens=1020), 400, "messages", "context_length_exceeded", ["1024"]),
+    (_chat(temperature=-1), 400, "temperature", None, [">= 0"]),
+    (_chat(top_p=1.5), 400, "top_p", None, ["(0, 1]"]),
+    (_chat(max_completion_tokens=0), 400, "max_completion_tokens", None, [">= 1"]),
+    (_chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+     400, "tool_choice", None, ["nope"]),
+    (_chat(model="gpt-4o"), 404, "model", "model_not_found", ["gpt-4o"]),
+]
+
+
+@pytest.mark.parametrize("body,status,param,code,words", ERROR_CASES)
+def test_error_responses(server, body, status, param, code, words):
+    r = _post(server, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert err["code"] == code
+    for w in words:
+        assert w.lower() in err["message"].lower(), err["message"]
+
+
+def test_api_key_and_openai_client_errors(server, client, model):
+    for key, words in ((None, "didn't provide"), ("wrong", "incorrect api key")):
+        r = _post(server, _chat(), key=key)
+        assert r.status_code == 401 and words in r.json()["error"]["message"].lower()
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/health").status_code == 200   # not behind the key
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ASK, temperature=5.0, top_p=0)
+    assert e.value.status_code == 400 and e.value.body["param"] in ("top_p", "temperature")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=ASK)
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+# ---- engine state, metrics, concurrency -------------------------------------------------------
+
+def _wait_idle(server, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(server)
+        held = m["formwork_kv_cache_held_blocks"]
+        if (m["formwork_num_requests_running"] == 0 and m["formwork_num_requests_waiting"] == 0
+                and held == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_blocks(server, stream):
+    idle = _wait_idle(server)
+    assert idle["formwork_kv_cache_held_blocks"] == 0
+    body = _chat(max_tokens=800, ignore_eos=True, stream=stream,
+                 messages=[{"role": "user", "content": "Tell me a very long story."}])
+    with httpx.Client(timeout=60) as http:
+        if stream:
+            with http.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {KEY}"}) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(8)]          # a few tokens arrived
+                assert any(line.startswith("data: ") for line in got)
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(f"{server.url}/v1/chat/completions", json=body, timeout=3,
+                          headers={"Authorization": f"Bearer {KEY}"})
+    after = _wait_idle(server)
+    assert after["formwork_kv_cache_held_blocks"] == 0
+    assert after["formwork_num_requests_running"] == 0
+    assert finish_reason_total(after, "abort") == finish_reason_total(idle, "abort") + 1
+    assert after["formwork_engine_steps_total"] - idle["formwork_engine_steps_total"] < 700
+
+
+def test_metrics_counters_move(server, client, model):
+    before = metrics(server)
+    r = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=8)
+    after = metrics(server)
+    label = f'{{model_name="{model}"}}'
+    assert after[f"formwork_prompt_tokens_total{label}"] - before[f"formwork_prompt_tokens_total{label}"] \
+        == r.usage.prompt_tokens
+    assert after[f"formwork_generation_tokens_total{label}"] \
+        - before[f"formwork_generation_tokens_total{label}"] == r.usage.completion_tokens
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        key = f"formwork_{h}_count{label}"
+        assert after[key] == before.get(key, 0) + 1
+    reason = r.choices[0].finish_reason
+    assert finish_reason_total(after, reason) == finish_reason_total(before, reason) + 1
+    assert after["formwork_kv_cache_total_blocks"] > 0
+    assert after["formwork_grammar_compiles_total"] >= 1      # earlier tests compiled grammars
+    assert after["formwork_engine_steps_total"] > before["formwork_engine_steps_total"]
+
+
+def test_64_concurrent_constrained_requests(server, model):
+    """Each request's schema pins its own id, so a lost, duplicated or crossed output fails."""
+    aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=600)
+
+    def schema(i: int) -> dict:
+        return {"type": "object", "properties": {
+            "id": {"const": i}, "word": {"type": "string", "maxLength": 8},
+            "ok": {"type": "boolean"}}, "required": ["id", "word", "ok"], "additionalProperties": False}
+
+    async def one(i: int):
+        return await aclient.chat.completions.create(
+            model=model, temperature=0, max_tokens=32,
+            messages=[{"role": "user", "content": f"Request {i}: give an id, a word and ok as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": f"r{i}", "schema": schema(i)}})
+
+    async def run_all():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run_all())
+    assert len({r.id for r in results}) == 64
+    stops = 0
+    for i, r in enumerate(results):
+        c = r.choices[0]
+        assert c.finish_reason in ("stop", "length")
+        if c.finish_reason == "stop":
+            stops += 1
+            obj = json.loads(c.message.content)
+            jsonschema.validate(obj, schema(i))
+            assert obj["id"] == i
+    assert stops >= 48, f"only {stops} of 64 finished"
+    assert _wait_idle(server)["formwork_kv_cache_held_blocks"] == 0
+
+
+def test_zz_sigterm_leaves_no_orphan_engine(server):
+    """Last in the module: stops the shared server."""
+    pids = server.child_pids()
+    rc = server.stop(signal.SIGTERM)
+    # uvicorn re-raises the captured SIGTERM after its graceful shutdown
+    assert rc in (0, -signal.SIGTERM), server.logs()
+    assert "Application shutdown complete" in server.logs()
+    for pid in pids:
+        assert gone(pid), f"engine process {pid} outlived the server"

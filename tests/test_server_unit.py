@@ -1,0 +1,335 @@
+"""Fast gateway tests without a model: protocol -> SamplingParams, tools prompt /
+constraint / parsing, OpenAI error mapping."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from gateway.errors import APIError, from_value_error, install_error_handlers
+from gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens, sampling_params,
+                            structured_from_request)
+from gateway.tools import (ToolMode, ToolStreamParser, parse_tool_output, resolve_tool_mode,
+                           tool_constraint)
+from schemas.openai import ChatCompletionRequest, CompletionRequest
+
+MSGS = [{"role": "user", "content": "hi"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(**{"model": "m", "messages": MSGS, **kw})
+
+
+def params_of(req: ChatCompletionRequest, max_tokens: int = 8):
+    structured, _ = structured_from_request(req)
+    requested, name = chat_max_tokens(req)
+    return sampling_params(req, max_tokens=max_tokens if requested is None else requested, logprobs=chat_logprobs(req),
+                           structured=structured,
+                           rename={"max_tokens": name, "logprobs": "top_logprobs"})
+
+
+# ---- protocol -> SamplingParams ----------------------------------------------------
+
+def test_sampling_fields_map_one_to_one():
+    p = params_of(chat(temperature=0.3, top_p=0.9, top_k=5, min_p=0.1, seed=7, stop="END",
+                       presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
+                       n=2, max_tokens=40, max_completion_tokens=12, logprobs=True,
+                       top_logprobs=3, unknown_field={"x": 1}))
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.3, 0.9, 5, 0.1, 7)
+    assert p.stop == ["END"] and p.n == 2 and p.logprobs == 3
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert p.max_tokens == 12          # max_completion_tokens wins over the deprecated max_tokens
+    assert params_of(chat(logprobs=True)).logprobs == 0
+    assert params_of(chat()).logprobs is None and params_of(chat()).temperature == 1.0
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("temperature", -1, "temperature"), ("top_p", 0, "top_p"), ("min_p", 2, "min_p"),
+    ("presence_penalty", 3, "presence_penalty"), ("n", 0, "n"),
+    ("max_completion_tokens", 0, "max_completion_tokens"), ("max_tokens", -2, "max_tokens"),
+    ("top_logprobs", 30, "top_logprobs"), ("repetition_penalty", 0, "repetition_penalty"),
+])
+def test_out_of_range_values_are_400_naming_the_field(field, value, param):
+    extra = {"logprobs": True} if field == "top_logprobs" else {}
+    with pytest.raises(APIError) as e:
+        params_of(chat(**{field: value}, **extra))
+    assert e.value.status == 400 and e.value.param == param
+    assert e.value.message.startswith(param)
+
+
+def test_top_logprobs_needs_logprobs():
+    with pytest.raises(APIError) as e:
+        params_of(chat(top_logprobs=2))
+    assert e.value.param == "top_logprobs"
+
+
+def test_response_format_kinds():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    s, src = structured_from_request(chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}))
+    assert s.json == schema and src == "response_format"
+    s, _ = structured_from_request(chat(response_format={"type": "json_object"}))
+    assert s.json_object is True and s.kind() == "json_object"
+    assert structured_from_request(chat(response_format={"type": "text"})) == (None, None)
+    with pytest.raises(APIError) as e:
+        structured_from_request(chat(response_format={"type": "json_schema"}))
+    assert e.value.param == "response_format.json_schema"
+
+
+def test_structured_outputs_extension_and_aliases():
+    s, src = structured_from_request(chat(structured_outputs={"regex": "[a-z]+"}))
+    assert s.regex == "[a-z]+" and src == "structured_outputs"
+    s, _ = structured_from_request(chat(structured_outputs={"choice": ["a", "b"]}))
+    assert s.choice == ["a", "b"]
+    s, _ = structured_from_request(chat(guided_json={"type": "string"}))
+    assert s.json == {"type": "string"}
+    s, _ = structured_from_request(CompletionRequest(prompt="x", guided_choice=["y", "n"]))
+    assert s.choice == ["y", "n"]
+    with pytest.raises(APIError) as e:
+        structured_from_request(chat(structured_outputs={"regex": 5}))
+    assert e.value.param == "structured_outputs"
+    with pytest.raises(APIError) as e:
+        structured_from_request(chat(response_format={"type": "json_object"},
+                                     structured_outputs={"regex": "a"}))
+    assert e.value.param == "structured_outputs" and "only one" in e.value.message
+
+
+def test_context_length():
+    assert context_max_tokens(10, None, 100, "messages") == 90
+    assert context_max_tokens(10, 90, 100, "messages") == 90
+    for prompt, req in ((10, 91), (100, None), (150, 5)):
+        with pytest.raises(APIError) as e:
+            context_max_tokens(prompt, req, 100, "messages")
+        assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+        assert "maximum context length is 100 tokens" in e.value.message
+
+
+# ---- tools ---------------------------------------------------------------------------
+
+def test_tool_mode_resolution_and_errors():
+    assert resolve_tool_mode(chat()).kind == "none"
+    assert resolve_tool_mode(chat(tools=[WEATHER])).kind == "auto"
+    m = resolve_tool_mode(chat(tools=[WEATHER, TIME], tool_choice={
+        "type": "function", "function": {"name": "get_time"}}))
+    assert (m.kind, m.name) == ("named", "get_time")
+    for bad in ({"tool_choice": {"type": "function", "function": {"name": "nope"}},
+                 "tools": [WEATHER]},
+                {"tool_choice": "required"},
+                {"tools": [WEATHER, WEATHER]}):
+        with pytest.raises(APIError) as e:
+            resolve_tool_mode(chat(**bad))
+        assert e.value.status == 400 and e.value.param in ("tool_choice", "tools")
+
+
+def test_required_constraint_accepts_exactly_valid_calls():
+    mode = resolve_tool_mode(chat(tools=[WEATHER, TIME], tool_choice="required"))
+    schema = tool_constraint(mode).json
+    ok = [{"name": "get_weather", "arguments": {"city": "Paris"}},
+          {"name": "get_time", "arguments": {"tz": "UTC"}}]
+    jsonschema.validate(ok, schema)
+    for bad in ([], [{"name": "get_weather", "arguments": {"tz": "UTC"}}],
+                [{"name": "other", "arguments": {}}], ok[0]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    single = tool_constraint(resolve_tool_mode(chat(
+        tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False))).json
+    jsonschema.validate(ok[1], single)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(ok, single)
+
+
+def test_named_and_auto_constraints():
+    named = tool_constraint(resolve_tool_mode(chat(tools=[WEATHER], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}})))
+    assert named.json == WEATHER["function"]["parameters"]
+    auto = tool_constraint(resolve_tool_mode(chat(tools=[WEATHER, TIME]))).structural_tag
+    assert auto["triggers"] == ["<tool_call>"]
+    assert [s["begin"] for s in auto["structures"]] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": ',
+        '<tool_call>\n{"name": "get_time", "arguments": ']
+    assert all(s["end"] == "}\n</tool_call>" for s in auto["structures"])
+    assert tool_constraint(resolve_tool_mode(chat(tools=[WEATHER], tool_choice="none"))) is None
+
+
+AUTO_TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+             '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n'
+             '</tool_call>')
+
+
+def test_parse_auto_named_required():
+    auto = resolve_tool_mode(chat(tools=[WEATHER, TIME]))
+    content, calls = parse_tool_output(auto, AUTO_TEXT)
+    assert content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {"tz": "CET"})]
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+    assert parse_tool_output(auto, "just text <tool_call>{broken") == ("just text <tool_call>{broken", [])
+    single = resolve_tool_mode(chat(tools=[WEATHER, TIME], parallel_tool_calls=False))
+    assert len(parse_tool_output(single, AUTO_TEXT)[1]) == 1
+    named = ToolMode("named", auto.tools, "get_weather")
+    content, calls = parse_tool_output(named, '{"city": "Rome"}')
+    assert content is None and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Rome"}
+    req = ToolMode("required", auto.tools)
+    _, calls = parse_tool_output(req, '[{"name": "get_time", "arguments": {"tz": "UTC"}}]')
+    assert calls[0].function.name == "get_time"
+    assert parse_tool_output(req, '[{"name": "get_ti') == ('[{"name": "get_ti', [])
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+@pytest.mark.parametrize("kind", ["auto", "named", "required", "none"])
+def test_stream_parser_matches_whole_parse(kind, step):
+    tools = resolve_tool_mode(chat(tools=[WEATHER, TIME])).tools
+    mode = ToolMode(kind, tools, "get_weather" if kind == "named" else None)
+    text = {"auto": AUTO_TEXT, "named": '{"city": "Rome"}', "none": "plain <tool text",
+            "required": '[{"name": "get_time", "arguments": {"tz": "UTC"}}]'}[kind]
+    parser, content, calls = ToolStreamParser(mode), "", {}
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    results = [parser.feed(p) for p in pieces] + [parser.finish()]
+    for c, deltas in results:
+        content += c or ""
+        for d in deltas:
+            entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+            assert (d.id is not None) == (entry["name"] == (d.function.name or "") != "")
+    want_content, want_calls = parse_tool_output(mode, text)
+    assert (content or None) == want_content
+    got = [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)]
+    assert got == [(c.function.name, json.loads(c.function.arguments)) for c in want_calls]
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+def test_value_error_maps_to_param():
+    e = from_value_error(ValueError("top_p: must be in (0, 1], got 0"))
+    assert (e.status, e.param, e.type) == (400, "top_p", "invalid_request_error")
+    assert from_value_error(ValueError("something odd")).param is None
+
+
+@pytest.fixture(scope="module")
+def error_client():
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def route(body: ChatCompletionRequest):
+        if body.model == "missing":
+            raise APIError(404, "no such model", param="model", code="model_not_found")
+        params_of(body)
+        return {"ok": True}
+
+    return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("body,status,param,text", [
+    (b"{not json", 400, None, "could not parse the JSON"),
+    ({"model": "m"}, 400, "messages", "Field required"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", ""),
+    ({"model": "m", "messages": MSGS, "temperature": "hot"}, 400, "temperature", ""),
+    ({"model": "m", "messages": MSGS, "top_p": 5}, 400, "top_p", "must be in (0, 1]"),
+    ({"model": "missing", "messages": MSGS}, 404, "model", "no such model"),
+])
+def test_error_json_shape(error_client, body, status, param, text):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body}
+    r = error_client.post("/v1/chat/completions", **kw)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and text in err["message"]
+    assert err["type"] == "invalid_request_error"
+    ok = error_client.post("/v1/chat/completions", json={"model": "m", "messages": MSGS, "x": 1})
+    assert ok.status_code == 200
+
+
+# ---- chat prompt ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+def _prompt(tokenizer, req: ChatCompletionRequest) -> str:
+    from gateway.chat import build_chat_prompt
+    prompt, ids = build_chat_prompt(tokenizer, req.messages, resolve_tool_mode(req))
+    assert tokenizer.decode(ids) == prompt
+    return prompt
+
+
+def test_chatml_prompt_without_tools(tokenizer):
+    from gateway.chat import template_supports_tools
+    assert not template_supports_tools(tokenizer)
+    want = tokenizer.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=False)
+    assert _prompt(tokenizer, chat()) == want
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    assert _prompt(tokenizer, chat(messages=parts)) == want
+    assert _prompt(tokenizer, chat(tools=[WEATHER], tool_choice="none")) == want
+
+
+def test_hermes_tools_prompt(tokenizer):
+    p = _prompt(tokenizer, chat(tools=[WEATHER, TIME]))
+    assert p.startswith("<|im_start|>system\n# Tools") and "SmolLM" not in p
+    tools_block = p.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+    assert [json.loads(line)["function"]["name"] for line in tools_block] == ["get_weather", "get_time"]
+    assert p.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    sys_first = [{"role": "developer", "content": "Be terse."}] + MSGS
+    p = _prompt(tokenizer, chat(messages=sys_first, tools=[WEATHER]))
+    assert p.startswith("<|im_start|>system\nBe terse.\n\n# Tools")
+    history = MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    p = _prompt(tokenizer, chat(messages=history, tools=[WEATHER]))
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Oslo"}}\n</tool_call><|im_end|>') in p
+    assert "<|im_start|>tool\n<tool_response>\nsunny\n</tool_response><|im_end|>" in p
+
+
+def test_native_tools_template_gets_tools_kwarg(tokenizer):
+    from gateway.chat import build_chat_prompt
+
+    class Native:
+        chat_template = "{{ tools | length }} tools"
+        seen = None
+
+        def apply_chat_template(self, msgs, **kw):
+            Native.seen = kw
+            return f"{len(kw.get('tools', []))} tools"
+
+        def encode(self, text, add_special_tokens):
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    req = chat(tools=[WEATHER, TIME])
+    prompt, _ = build_chat_prompt(Native(), req.messages, resolve_tool_mode(req))
+    assert prompt == "2 tools" and Native.seen["tools"][0]["function"]["name"] == "get_weather"
+
+
+def test_non_text_content_is_400(tokenizer):
+    img = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(APIError) as e:
+        _prompt(tokenizer, chat(messages=img))
+    assert e.value.param == "messages[0].content"
+
+
+@pytest.mark.parametrize("content,headers,detail", [
+    (b"", {"content-type": "application/json"}, "the body is empty"),
+    (b'{"messages": [', {}, "valid dictionary"),            # no JSON content type
+    (b'[1, 2]', {"content-type": "application/json"}, "valid dictionary"),
+])
+def test_whole_body_errors_are_invalid_json(error_client, content, headers, detail):
+    r = error_client.post("/v1/chat/completions", content=content, headers=headers)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_json" and err["param"] is None
+    assert detail in err["message"]
