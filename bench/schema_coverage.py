@@ -1,0 +1,234 @@
+"""Schema coverage over the JSONSchemaBench sample in /work/shared/corpus.
+
+For every schema: accepted or rejected (and why); for accepted ones, does a
+matcher accept every valid instance (compact JSON text, then the default
+`json.dumps` spacing) and reject every invalid one? Ground truth is
+`jsonschema` with the draft the schema declares (formats not asserted).
+
+  python -m bench.schema_coverage [--backend auto] [--subset Kubernetes] [--limit 20] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+CORPUS = pathlib.Path("/work/shared/corpus/jsonschemabench")
+
+
+@dataclass(slots=True)
+class Case:
+    subset: str
+    name: str
+    schema: object
+    tests: list[dict]
+
+
+@dataclass(slots=True)
+class Result:
+    subset: str
+    name: str
+    accepted: bool
+    backend: str = ""
+    reason: str = ""             # rejection keyword (or "invalid-schema" / "compile-error")
+    message: str = ""
+    compile_s: float = 0.0
+    valid_total: int = 0
+    valid_accepted: int = 0
+    invalid_total: int = 0
+    invalid_rejected: int = 0
+    unsound: list[str] = field(default_factory=list)      # invalid accepted: failing keyword
+    restrictive: list[str] = field(default_factory=list)  # valid rejected: "key-order"/"other"
+
+
+def load_cases(subset: str | None = None, limit: int | None = None) -> list[Case]:
+    """Schemas in a fixed order (subset, file name); `limit` per subset."""
+    cases = []
+    for d in sorted(p for p in CORPUS.iterdir() if p.is_dir()):
+        if subset and d.name != subset:
+            continue
+        files = sorted(f for f in d.glob("*.json") if not f.name.endswith(".tests.json"))
+        for f in files[:limit]:
+            data = json.loads(f.read_text())
+            if d.name == "_maskbench_extra":
+                cases.append(Case(d.name, f.stem, data["schema"], data.get("tests", [])))
+                continue
+            tests_file = f.with_name(f.stem + ".tests.json")
+            tests = json.loads(tests_file.read_text())["tests"] if tests_file.exists() else []
+            cases.append(Case(d.name, f.stem, data, tests))
+    return cases
+
+
+def _texts(instance) -> list[str]:
+    compact = json.dumps(instance, separators=(",", ":"), ensure_ascii=False)
+    spaced = json.dumps(instance, ensure_ascii=False)
+    return [compact] if spaced == compact else [compact, spaced]
+
+
+def _reorder(instance, schema, root, strip: bool = False):
+    """`instance` with object keys in the schema's `properties` order and, if
+    `strip`, without undeclared keys (best effort, for attributing rejections)."""
+    from grammar.schema_walk import resolve_local_ref
+
+    for _ in range(8):
+        if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+            target = resolve_local_ref(root, schema["$ref"])
+            schema = target[0] if target else None
+    if isinstance(instance, dict) and isinstance(schema, dict):
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        extra = [] if strip and props else [k for k in instance if k not in props]
+        order = [k for k in props if k in instance] + extra
+        return {k: _reorder(instance[k], props.get(k), root, strip) for k in order}
+    if isinstance(instance, list) and isinstance(schema, dict):
+        return [_reorder(x, schema.get("items"), root, strip) for x in instance]
+    return instance
+
+
+class Runner:
+    def __init__(self, tokenizer, vocab_size: int, backend: str):
+        from grammar.outlines_backend import OutlinesBackend
+        from grammar.vocab import TokenVocab
+        from grammar.xgrammar_backend import XGrammarBackend
+
+        self.tok = tokenizer
+        self.vocab = TokenVocab.from_tokenizer(tokenizer, vocab_size)
+        self.backends = {"xgrammar": XGrammarBackend(self.vocab), "outlines": None}
+        self._outlines_cls = OutlinesBackend
+        self.backend = backend
+
+    def _backend(self, name):
+        if self.backends[name] is None:
+            self.backends[name] = self._outlines_cls(self.vocab, compile_timeout_s=60.0)
+        return self.backends[name]
+
+    def accepts(self, compiled, text: str) -> bool:
+        m = compiled.new_matcher()
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return m.accept_tokens(ids) and m.accept_tokens([self.vocab.eos_token_id]) \
+            and m.is_terminated()
+
+    def run(self, case: Case) -> Result:
+        import jsonschema
+
+        from grammar.schema_check import UnsupportedSchemaError
+        from grammar.selection import choose_backend
+        from schemas.structured import StructuredOutputsParams
+
+        res = Result(case.subset, case.name, accepted=False)
+        params = StructuredOutputsParams(json=case.schema, backend=self.backend)
+        start = time.perf_counter()
+        try:
+            res.backend = choose_backend(params)
+            compiled = self._backend(res.backend).compile(params)
+        except UnsupportedSchemaError as err:
+            res.reason, res.message = err.issues[0].keyword, str(err)
+            return res
+        except ValueError as err:
+            res.message = str(err)
+            res.reason = "invalid-schema" if "invalid JSON Schema" in str(err) else "compile-error"
+            return res
+        res.compile_s = time.perf_counter() - start
+        res.accepted = True
+        validator = jsonschema.validators.validator_for(
+            case.schema, default=jsonschema.Draft202012Validator)(case.schema)
+        for test in case.tests:
+            self._check_instance(res, compiled, validator, case.schema, test["data"])
+        return res
+
+    def _check_instance(self, res, compiled, validator, schema, instance) -> None:
+        errors = list(validator.iter_errors(instance))
+        for text in _texts(instance):
+            got = self.accepts(compiled, text)
+            if not errors:
+                res.valid_total += 1
+                res.valid_accepted += got
+                if not got:
+                    res.restrictive.append(
+                        self._why_rejected(compiled, validator, schema, instance))
+            else:
+                res.invalid_total += 1
+                res.invalid_rejected += not got
+                if got:
+                    res.unsound.append(errors[0].validator)
+
+
+    def _why_rejected(self, compiled, validator, schema, instance) -> str:
+        """Why a valid instance was refused: formats are asserted, keys must follow
+        the schema's order, undeclared keys are refused (strict mode), or other."""
+        if not validator.evolve(format_checker=validator.FORMAT_CHECKER).is_valid(instance):
+            return "format"
+        if self.accepts(compiled, _texts(_reorder(instance, schema, schema))[0]):
+            return "key-order"
+        if self.accepts(compiled, _texts(_reorder(instance, schema, schema, strip=True))[0]):
+            return "undeclared-property"
+        return "other"
+
+
+def pct(a: int, b: int) -> str:
+    return f"{100 * a / b:5.1f}%" if b else "   - "
+
+
+def summarize(results: list[Result]) -> str:
+    lines = [f"{'subset':18s} {'schemas':>7s} {'accepted':>11s} {'valid accepted':>17s} "
+             f"{'invalid rejected':>17s} {'agree':>6s} {'unsound':>7s}"]
+    groups = collections.defaultdict(list)
+    for r in results:
+        groups[r.subset].append(r)
+    groups["ALL"] = results
+    for name, rs in groups.items():
+        acc = [r for r in rs if r.accepted]
+        va, vt = sum(r.valid_accepted for r in acc), sum(r.valid_total for r in acc)
+        ir, it = sum(r.invalid_rejected for r in acc), sum(r.invalid_total for r in acc)
+        lines.append(f"{name:18s} {len(rs):7d} {len(acc):4d} {pct(len(acc), len(rs))} "
+                     f"{va:4d}/{vt:<4d} {pct(va, vt)} {ir:4d}/{it:<4d} {pct(ir, it)} "
+                     f"{pct(va + ir, vt + it)} {it - ir:7d}")
+    reasons = collections.Counter(r.reason for r in results if not r.accepted)
+    lines.append("rejections by keyword: "
+                 + ", ".join(f"{k} {v}" for k, v in reasons.most_common()))
+    unsound = collections.Counter(k for r in results for k in r.unsound)
+    lines.append("invalid instances accepted, by failing keyword: "
+                 + (", ".join(f"{k} {v}" for k, v in unsound.most_common()) or "none"))
+    restrict = collections.Counter(k for r in results for k in r.restrictive)
+    lines.append("valid instances rejected: "
+                 + (", ".join(f"{k} {v}" for k, v in restrict.most_common()) or "none"))
+    for backend in sorted({r.backend for r in results if r.accepted}):
+        times = sorted(r.compile_s for r in results if r.accepted and r.backend == backend)
+        p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+        lines.append(f"compile time {backend}: n={len(times)} p50 "
+                     f"{1000 * statistics.median(times):.1f} ms, p99 {1000 * p99:.1f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="auto", choices=("auto", "xgrammar", "outlines"))
+    ap.add_argument("--subset", default=None)
+    ap.add_argument("--limit", type=int, default=None, help="schemas per subset")
+    ap.add_argument("--json", action="store_true", help="print every result as JSON")
+    args = ap.parse_args(argv)
+
+    from core.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    runner = Runner(tokenizer, len(tokenizer), args.backend)
+    results = []
+    for case in load_cases(args.subset, args.limit):
+        results.append(runner.run(case))
+        r = results[-1]
+        print(f"{r.subset}/{r.name}: {'ok ' + r.backend if r.accepted else r.reason} "
+              f"{r.compile_s:.2f}s", file=sys.stderr, flush=True)
+    if args.json:
+        json.dump([asdict(r) for r in results], sys.stdout, indent=1)
+        print()
+    else:
+        print(summarize(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The grammar-backend seam: compile a constraint once, match it per request.
+
+Bitmask layout (shared by every backend, xgrammar's layout): an int32 tensor
+`[rows, bitmask_words(vocab_size)]` on CPU; bit j of word w set <=> token id
+`32 * w + j` is allowed. `vocab_size` is the model's logits width; ids the
+tokenizer does not know (padding ids, special/added tokens) are never allowed.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from schemas.structured import StructuredOutputsParams
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Number of int32 words per bitmask row."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An all-allowed bitmask `[rows, bitmask_words(vocab_size)]` (int32, CPU)."""
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+
+
+def set_only_tokens(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    """Make `bitmask[row]` allow exactly `token_ids`."""
+    bitmask[row].zero_()
+    for tid in token_ids:
+        word, bit = divmod(tid, 32)
+        # int32 word: bit 31 is the sign bit, so build the value in Python ints.
+        value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+def allowed_mask(bitmask: torch.Tensor, row: int, vocab_size: int) -> torch.Tensor:
+    """Bool `[vocab_size]`: token allowed by `bitmask[row]` (tests, debugging; O(vocab))."""
+    # little-endian int32 words: bit j of word w is bit j % 8 of byte 4w + j // 8
+    as_bytes = bitmask[row].contiguous().numpy().view(np.uint8)
+    return torch.from_numpy(np.unpackbits(as_bytes, bitorder="little")[:vocab_size].astype(bool))
+
+
+def allowed_token_ids(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int]:
+    """Token ids allowed by `bitmask[row]` (tests, debugging; O(vocab))."""
+    return torch.nonzero(allowed_mask(bitmask, row, vocab_size)).flatten().tolist()
+
+
+class Matcher(ABC):
+    """Mutable matching state of one request. Not thread-safe: one owner thread."""
+
+    @abstractmethod
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Advance over `token_ids` (the stop token terminates). All or nothing:
+        on False the state is unchanged."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]`; does not mutate state.
+        Once terminated, the row allows only the stop token."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once the stop token was accepted at an accepting position."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (a terminating stop token counts)."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Back to the initial state."""
+
+    @abstractmethod
+    def jump_forward_string(self) -> str:
+        """The longest string every accepted continuation starts with ('' if none).
+        Does not mutate state."""
+
+
+class CompiledGrammar(ABC):
+    """Immutable compiled constraint, shareable across requests and threads."""
+
+    backend_name: str
+
+    @abstractmethod
+    def new_matcher(self) -> Matcher:
+        """A fresh matcher at the initial state."""
+
+
+class GrammarBackend(ABC):
+    """Compiles constraints for one tokenizer/vocabulary."""
+
+    name: str
+
+    @abstractmethod
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Raise ValueError (UnsupportedSchemaError for unenforceable JSON Schema
+        keywords) if this backend cannot enforce `params` exactly. Cheap-ish: no
+        token-mask compilation."""
+
+    @abstractmethod
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """Compile `params` (after `check`); thread-safe; may take seconds."""
+
+    def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
+                      rows: Sequence[int]) -> None:
+        """Fill `bitmask[rows[i]]` for `matchers[i]` (all made by this backend)."""
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(bitmask, row)

@@ -1,0 +1,231 @@
+"""StructuredOutputManager: compiles constraints off the engine thread and owns
+every request's matcher state.
+
+Threading contract: all public methods are called from the engine thread;
+compilation runs in a private thread pool. The compile cache and the table of
+in-flight compiles are shared with the pool under `_lock`; matchers are
+touched only by the engine thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from grammar.backend import CompiledGrammar, GrammarBackend, Matcher, allocate_bitmask
+from grammar.jump_forward import forced_tokens
+from grammar.outlines_backend import OutlinesBackend
+from grammar.selection import choose_backend
+from grammar.vocab import TokenVocab
+from grammar.xgrammar_backend import XGrammarBackend
+from schemas.structured import StructuredOutputsParams
+
+Status = Literal["pending", "ready", "failed"]
+
+
+@dataclass(slots=True)
+class _RequestGrammar:
+    future: Future | None
+    submitted_at: float
+    status: Status = "pending"
+    error: str = ""
+    matcher: Matcher | None = None
+    backend: GrammarBackend | None = None
+
+
+@dataclass(slots=True)
+class _Stats:
+    compiles: int = 0
+    compile_failures: int = 0
+    cache_hits: int = 0
+    inflight_shared: int = 0
+    compile_seconds: float = 0.0
+    fill_calls: int = 0
+    fill_seconds: float = 0.0
+    jump_forward_tokens: int = 0
+    by_backend: dict[str, int] = field(default_factory=dict)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, *, default_backend: str = "auto",
+                 num_threads: int = 2, compile_timeout_s: float = 30.0,
+                 enable_jump_forward: bool = True, cache_size: int = 256):
+        self._tokenizer = tokenizer
+        self.vocab = TokenVocab.from_tokenizer(tokenizer, vocab_size)
+        self.vocab_size = vocab_size
+        self._default_backend = default_backend
+        self._timeout_s = compile_timeout_s
+        self._jump_forward = enable_jump_forward
+        self._cache_size = cache_size
+        self._backends: dict[str, GrammarBackend] = {
+            "xgrammar": XGrammarBackend(self.vocab, max_threads=num_threads)}
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()   # guards _cache, _inflight, _stats
+        self._backend_lock = threading.Lock()   # guards _backends
+        self._cache: OrderedDict[str, tuple[CompiledGrammar, GrammarBackend]] = OrderedDict()
+        self._inflight: dict[str, Future] = {}
+        self._stats = _Stats()
+        self._requests: dict[str, _RequestGrammar] = {}
+        self._bitmask = allocate_bitmask(8, vocab_size)   # [rows, words], grown on demand
+
+    # --- compilation ---------------------------------------------------------------
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Synchronous check (ValueError with a how-to-fix message); compiles nothing."""
+        choose_backend(params, self._default_backend)
+
+    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
+        """Start compiling `params` for `request_id`; never blocks on compilation."""
+        assert request_id not in self._requests, f"duplicate request id {request_id!r}"
+        entry = _RequestGrammar(future=None, submitted_at=time.monotonic())
+        self._requests[request_id] = entry
+        try:
+            key = params.cache_key()
+        except ValueError as err:
+            entry.status, entry.error = "failed", str(err)
+            return
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                self._stats.cache_hits += 1
+                compiled, backend = self._cache[key]
+                self._set_ready(entry, compiled, backend)
+                return
+            future, is_new = self._inflight.get(key), False
+            if future is not None:
+                self._stats.inflight_shared += 1
+            else:
+                future = self._pool.submit(self._compile, params)
+                self._inflight[key] = future
+                is_new = True
+        if is_new:   # outside the lock: a finished future runs the callback right here
+            future.add_done_callback(lambda f, key=key: self._on_compiled(key, f))
+        entry.future = future
+
+    def _backend(self, name: str) -> GrammarBackend:
+        with self._backend_lock:
+            if name not in self._backends:   # outlines' vocabulary is built on first use
+                self._backends[name] = OutlinesBackend(self.vocab,
+                                                       compile_timeout_s=self._timeout_s)
+            return self._backends[name]
+
+    def _compile(self, params: StructuredOutputsParams
+                 ) -> tuple[CompiledGrammar, GrammarBackend, float]:
+        """Pool thread: choose a backend, compile; (compiled, backend, seconds)."""
+        start = time.perf_counter()
+        backend = self._backend(choose_backend(params, self._default_backend))
+        compiled = backend.compile(params)
+        return compiled, backend, time.perf_counter() - start
+
+    def _on_compiled(self, key: str, future: Future) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+            if future.exception() is not None:
+                self._stats.compile_failures += 1
+                return
+            compiled, backend, seconds = future.result()
+            self._stats.compiles += 1
+            self._stats.compile_seconds += seconds
+            self._stats.by_backend[backend.name] = self._stats.by_backend.get(backend.name, 0) + 1
+            self._cache[key] = (compiled, backend)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+
+    def _set_ready(self, entry: _RequestGrammar, compiled: CompiledGrammar,
+                   backend: GrammarBackend) -> None:
+        entry.status, entry.backend, entry.matcher = "ready", backend, compiled.new_matcher()
+
+    def status(self, request_id: str) -> Status:
+        """"pending" until compiled; "failed" on error or after compile_timeout_s."""
+        entry = self._requests[request_id]
+        if entry.status != "pending":
+            return entry.status
+        assert entry.future is not None
+        if entry.future.done():
+            err = entry.future.exception()
+            if err is None:
+                compiled, backend, _ = entry.future.result()
+                self._set_ready(entry, compiled, backend)
+            else:
+                entry.status = "failed"
+                entry.error = str(err) if isinstance(err, ValueError) else \
+                    f"grammar compilation failed: {type(err).__name__}: {err}"
+        elif time.monotonic() - entry.submitted_at > self._timeout_s:
+            entry.status = "failed"
+            entry.error = (f"grammar compilation took longer than {self._timeout_s:g} s; "
+                           "simplify the constraint (fewer alternatives, bounded lengths)")
+        return entry.status
+
+    def error(self, request_id: str) -> str:
+        return self._requests[request_id].error
+
+    def remove(self, request_id: str) -> None:
+        """Forget the request (its compile, if running, still fills the cache)."""
+        self._requests.pop(request_id, None)
+
+    # --- matching (engine thread) ---------------------------------------------------
+    def _matcher(self, request_id: str) -> Matcher:
+        entry = self._requests[request_id]
+        if entry.status != "ready":
+            raise RuntimeError(f"request {request_id!r} grammar is {entry.status}, not ready")
+        assert entry.matcher is not None
+        return entry.matcher
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance the matcher; False (state unchanged) if a token is not allowed."""
+        return self._matcher(request_id).accept_tokens(token_ids)
+
+    def is_terminated(self, request_id: str) -> bool:
+        return self._matcher(request_id).is_terminated()
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        self._matcher(request_id).rollback(num_tokens)
+
+    def jump_forward_tokens(self, request_id: str) -> list[int]:
+        """Tokens of the forced continuation, already accepted; [] if none/disabled."""
+        if not self._jump_forward:
+            return []
+        tokens = forced_tokens(self._matcher(request_id), self._tokenizer, self.vocab)
+        self._stats.jump_forward_tokens += len(tokens)
+        return tokens
+
+    def fill_bitmask(self, request_ids: list[str]) -> torch.Tensor | None:
+        """int32 `[len(request_ids), ceil(vocab/32)]`, row i for request_ids[i]; ids
+        without a constraint get all-allowed rows; None if no id is constrained.
+        Returns a view of a reused buffer: valid until the next call."""
+        start = time.perf_counter()
+        n = len(request_ids)
+        if n > self._bitmask.shape[0]:
+            self._bitmask = allocate_bitmask(max(n, 2 * self._bitmask.shape[0]), self.vocab_size)
+        out = self._bitmask[:n]
+        groups: dict[str, tuple[GrammarBackend, list[Matcher], list[int]]] = {}
+        for row, rid in enumerate(request_ids):
+            if rid not in self._requests:
+                out[row].fill_(-1)
+                continue
+            matcher, backend = self._matcher(rid), self._requests[rid].backend
+            assert backend is not None
+            group = groups.setdefault(backend.name, (backend, [], []))
+            group[1].append(matcher)
+            group[2].append(row)
+        for backend, matchers, rows in groups.values():
+            backend.fill_bitmasks(matchers, out, rows)
+        self._stats.fill_calls += 1
+        self._stats.fill_seconds += time.perf_counter() - start
+        return out if groups else None
+
+    def stats(self) -> dict:
+        with self._lock:
+            s = self._stats
+            return {"compiles": s.compiles, "compile_failures": s.compile_failures,
+                    "cache_hits": s.cache_hits, "inflight_shared": s.inflight_shared,
+                    "compile_seconds": s.compile_seconds, "fill_calls": s.fill_calls,
+                    "fill_seconds": s.fill_seconds, "jump_forward_tokens": s.jump_forward_tokens,
+                    "by_backend": dict(s.by_backend), "cache_size": len(self._cache)}
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

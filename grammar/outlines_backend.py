@@ -1,0 +1,204 @@
+"""outlines-core backend: json (as a regex), regex, choice.
+
+The vocabulary is built from the tokenizer's decoded token bytes (no model
+hub). outlines-core lists the eos token as allowed at accepting states but
+refuses to advance over it, so termination is tracked here.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import outlines_core as oc
+import torch
+
+from grammar.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    Matcher,
+    bitmask_words,
+    set_only_tokens,
+)
+from grammar.outlines_worker import build_index, build_json_regex
+from grammar.schema_check import check_schema
+from grammar.vocab import TokenVocab
+from schemas.structured import StructuredOutputsParams
+
+MAX_ROLLBACK = 256          # tokens a matcher can roll back
+_JUMP_MAX_CANDIDATES = 256  # states allowing more tokens than this force nothing useful
+# Index build time grows with the regex (measured on 2 busy cores: 5k chars ~2 s,
+# 20k chars 4-16 s, 765k chars did not finish in minutes): refuse larger ones
+# up front instead of waiting for the compile deadline.
+MAX_REGEX_CHARS = 20_000
+REGEX_BUILD_TIMEOUT_S = 10.0
+
+
+def whitespace_pattern(params: StructuredOutputsParams) -> str:
+    if params.whitespace == "compact" or params.max_whitespace == 0:
+        return ""
+    return f"[ \\t\\n\\r]{{0,{params.max_whitespace}}}"
+
+
+def escape_literal(text: str) -> str:
+    """Regex matching exactly `text` (Rust regex syntax: hex-escape punctuation)."""
+    return "".join(ch if ch.isalnum() or ord(ch) > 127 else f"\\x{{{ord(ch):X}}}" for ch in text)
+
+
+def to_regex(params: StructuredOutputsParams) -> str:
+    """Check `params` and return the regex outlines-core will enforce."""
+    kind, spec = params.kind(), params.spec()
+    ws = whitespace_pattern(params)
+    if kind == "json":
+        schema = check_schema(spec, "outlines")
+        schema = {} if schema is True else schema
+        regex = build_json_regex(json.dumps(schema), ws, REGEX_BUILD_TIMEOUT_S)
+        if len(regex) > MAX_REGEX_CHARS:
+            raise ValueError(f"outlines-core: this JSON Schema becomes a {len(regex)}-char regex "
+                             f"(limit {MAX_REGEX_CHARS}); use backend='xgrammar'")
+        return regex
+    if kind == "json_object":
+        # measured: the index for "any JSON object" does not build within the 30 s
+        # compile limit on a 2-core machine; refuse up front instead of timing out.
+        raise ValueError("the outlines backend cannot enforce json_object (arbitrary JSON "
+                         "compiles too slowly); use backend='xgrammar' or 'auto'")
+    if kind == "regex":
+        _check_regex_syntax(spec)
+        return spec
+    if kind == "choice":
+        return "(" + "|".join(escape_literal(c) for c in spec) + ")"
+    raise ValueError(f"the outlines backend does not support '{kind}' constraints; "
+                     "use backend='xgrammar' or 'auto'")
+
+
+_PROBE_VOCABULARY = oc.Vocabulary(1, {b"\x00": [0]})
+
+
+def _check_regex_syntax(regex: str) -> None:
+    """Raise ValueError if outlines-core cannot build a DFA for `regex` (syntax,
+    look-around, Unicode word boundaries, size). With a one-token vocabulary
+    a valid regex ends in "incompatible vocabulary", which is fine here."""
+    try:
+        build_index(regex, _PROBE_VOCABULARY, timeout_s=REGEX_BUILD_TIMEOUT_S)
+    except ValueError as err:
+        if "incompatible" not in str(err):
+            raise ValueError(str(err).replace("this constraint", "this regex")) from None
+
+
+def _common_prefix(items: list[bytes]) -> bytes:
+    lo, hi = min(items), max(items)
+    n = 0
+    while n < len(lo) and lo[n] == hi[n]:
+        n += 1
+    return lo[:n]
+
+
+def _complete_utf8(data: bytes) -> str:
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return ""
+
+
+class OutlinesCompiled(CompiledGrammar):
+    backend_name = "outlines"
+
+    def __init__(self, index: oc.Index, vocab: TokenVocab, by_bytes: dict[bytes, int]):
+        self.index = index
+        self.vocab = vocab
+        self.by_bytes = by_bytes
+
+    def new_matcher(self) -> "OutlinesMatcher":
+        return OutlinesMatcher(self)
+
+
+class OutlinesMatcher(Matcher):
+    def __init__(self, compiled: OutlinesCompiled):
+        self._c = compiled
+        self._guide = oc.Guide(compiled.index, max_rollback=MAX_ROLLBACK)
+        self._eos = compiled.vocab.eos_token_id
+        self._terminated = False
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        advanced, was_terminated = 0, self._terminated
+        for tid in token_ids:
+            ok = not self._terminated
+            if ok and tid == self._eos:
+                ok = self._terminated = self._guide.is_finished()
+            elif ok:
+                try:
+                    self._guide.advance(int(tid), False)
+                    advanced += 1
+                except ValueError:
+                    ok = False
+            if not ok:
+                if advanced:
+                    self._guide.rollback_state(advanced)
+                self._terminated = was_terminated
+                return False
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._terminated:
+            set_only_tokens(bitmask, row, [self._eos])
+            return
+        words = bitmask_words(self._c.vocab.vocab_size)
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous()
+        assert bitmask.shape[1] == words and bitmask.device.type == "cpu"
+        self._guide.write_mask_into(bitmask[row].data_ptr(), words, 4)
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._terminated:
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens:
+            self._guide.rollback_state(num_tokens)
+
+    def reset(self) -> None:
+        self._guide.reset()
+        self._terminated = False
+
+    def jump_forward_string(self) -> str:
+        """Follow states whose allowed tokens all share a prefix (and are not final)."""
+        if self._terminated:
+            return ""
+        index, token_bytes = self._c.index, self._c.vocab.token_bytes
+        state, out = self._guide.get_state(), b""
+        for _ in range(64):
+            allowed = index.get_allowed_tokens(state)
+            if not allowed or self._eos in allowed or len(allowed) > _JUMP_MAX_CANDIDATES:
+                break
+            prefix = _common_prefix([token_bytes[t] for t in allowed])
+            out += prefix
+            tid = self._c.by_bytes.get(prefix)
+            if not prefix or tid is None or tid not in allowed:
+                break
+            state = index.get_next_state(state, tid)
+            if state is None:
+                break
+        return _complete_utf8(out)
+
+
+class OutlinesBackend(GrammarBackend):
+    name = "outlines"
+
+    def __init__(self, vocab: TokenVocab, *, compile_timeout_s: float = 60.0):
+        mapping: dict[bytes, list[int]] = {}
+        for tid, data in enumerate(vocab.token_bytes):
+            if data is not None and tid != vocab.eos_token_id:
+                mapping.setdefault(data, []).append(tid)
+        self._vocabulary = oc.Vocabulary(vocab.eos_token_id, mapping)
+        self._vocab = vocab
+        self._by_bytes = {data: ids[0] for data, ids in mapping.items()}
+        self._timeout_s = compile_timeout_s
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        to_regex(params)
+
+    def compile(self, params: StructuredOutputsParams) -> OutlinesCompiled:
+        index = build_index(to_regex(params), self._vocabulary, self._timeout_s)
+        return OutlinesCompiled(index, self._vocab, self._by_bytes)

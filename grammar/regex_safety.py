@@ -1,0 +1,64 @@
+"""Can a JSON Schema `pattern` only match characters that are literal in JSON?
+
+outlines-core splices a string's `pattern` between the quotes of the JSON
+string, so a pattern that can match `"`, `\\` or a control character would
+let the model produce text that is not JSON. Conservative: anything we cannot
+prove safe (negated classes, `.`, `\\s`, `\\W`, syntax Python's parser does
+not know) is unsafe.
+"""
+from __future__ import annotations
+
+import re
+import re._constants as c
+import re._parser as sre_parse
+
+_UNSAFE_CATEGORIES = {c.CATEGORY_SPACE, c.CATEGORY_NOT_SPACE, c.CATEGORY_NOT_WORD,
+                      c.CATEGORY_NOT_DIGIT, c.CATEGORY_LINEBREAK, c.CATEGORY_NOT_LINEBREAK}
+_SAFE_ATS = {c.AT_BEGINNING, c.AT_END, c.AT_BEGINNING_STRING, c.AT_END_STRING}
+
+
+def _char_ok(code: int) -> bool:
+    return code >= 0x20 and code not in (0x22, 0x5C)
+
+
+def _class_ok(items) -> bool:
+    for op, av in items:
+        if op is c.NEGATE:
+            return False
+        if op is c.LITERAL and not _char_ok(av):
+            return False
+        if op is c.RANGE and (av[0] < 0x20 or av[0] <= 0x22 <= av[1] or av[0] <= 0x5C <= av[1]):
+            return False
+        if op is c.CATEGORY and av in _UNSAFE_CATEGORIES:
+            return False
+    return True
+
+
+def _seq_ok(seq) -> bool:
+    for op, av in seq:
+        if op is c.LITERAL:
+            ok = _char_ok(av)
+        elif op is c.IN:
+            ok = _class_ok(av)
+        elif op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
+            ok = _seq_ok(av[2])
+        elif op is c.SUBPATTERN:
+            ok = av[1] == 0 and av[2] == 0 and _seq_ok(av[3])   # no inline flags
+        elif op is c.BRANCH:
+            ok = all(_seq_ok(branch) for branch in av[1])
+        elif op is c.AT:
+            ok = av in _SAFE_ATS
+        else:   # ANY, NOT_LITERAL, lookarounds, group references, ...
+            ok = False
+        if not ok:
+            return False
+    return True
+
+
+def pattern_is_json_safe(pattern: str) -> bool:
+    """True if every string `pattern` can match is free of `"`, `\\` and C0 controls."""
+    try:
+        parsed = sre_parse.parse(pattern)
+    except (re.error, ValueError, RecursionError, OverflowError):
+        return False
+    return _seq_ok(parsed)

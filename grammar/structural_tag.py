@@ -1,0 +1,84 @@
+"""Structural tags (tool calls in `auto` mode) as xgrammar's format dict.
+
+Two spellings are accepted:
+- {"triggers": ["<tool_call>"], "structures": [{"begin", "schema", "end"}, ...]}:
+  free text, and whenever a trigger starts, one of the structures (its
+  `schema` constrains the JSON between `begin` and `end`);
+- xgrammar's own {"type": "structural_tag", "format": {...}}.
+Every embedded JSON Schema is checked like a `json` constraint, and its
+whitespace bounded like one.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from grammar.schema_check import SchemaIssue, UnsupportedSchemaError
+from schemas.structured import StructuredOutputsParams
+
+
+def _max_ws(params: StructuredOutputsParams) -> int:
+    # xgrammar needs a positive count here; "compact" gets the smallest bound.
+    if params.whitespace == "compact":
+        return 1
+    return max(1, params.max_whitespace)
+
+
+def _checked(schema: Any, where: str, check: Callable[[Any], Any]) -> Any:
+    """The schema `check(schema)` returns (maybe rewritten); unsupported keywords
+    re-raised with paths under `where`."""
+    try:
+        return check(schema)
+    except UnsupportedSchemaError as err:
+        issues = [SchemaIssue(i.keyword, where + i.path[1:], i.detail) for i in err.issues]
+        raise UnsupportedSchemaError(issues, err.backend) from None
+    except ValueError as err:
+        raise ValueError(f"structural_tag {where}: {err}") from None
+
+
+def _legacy_to_format(spec: dict, params: StructuredOutputsParams,
+                      check: Callable[[Any], Any]) -> dict:
+    triggers, structures = spec.get("triggers"), spec.get("structures")
+    if not isinstance(triggers, list) or not triggers or not isinstance(structures, list):
+        raise ValueError("structural_tag: needs non-empty 'triggers' and a 'structures' list")
+    tags = []
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not {"begin", "schema", "end"} <= s.keys():
+            raise ValueError(f"structural_tag.structures[{i}]: needs 'begin', 'schema', 'end'")
+        if not any(s["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"structural_tag.structures[{i}]: 'begin' starts with no trigger")
+        schema = _checked(s["schema"], f"$.structures[{i}].schema", check)
+        tags.append({"type": "tag", "begin": s["begin"], "end": s["end"],
+                     "content": {"type": "json_schema", "json_schema": schema,
+                                 "max_whitespace_cnt": _max_ws(params)}})
+    return {"type": "structural_tag",
+            "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags,
+                       "at_least_one": False, "stop_after_first": False}}
+
+
+def _bound_json_formats(node: Any, path: str, params: StructuredOutputsParams,
+                        check: Callable[[Any], Any]) -> None:
+    """Check every json_schema format in place and bound its whitespace."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            node["json_schema"] = _checked(node["json_schema"], f"{path}.json_schema", check)
+            node.setdefault("max_whitespace_cnt", _max_ws(params))
+        for key, value in node.items():
+            if key != "json_schema":
+                _bound_json_formats(value, f"{path}.{key}", params, check)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _bound_json_formats(value, f"{path}[{i}]", params, check)
+
+
+def structural_tag_spec(spec: Any, params: StructuredOutputsParams,
+                        check: Callable[[Any], Any]) -> dict:
+    """xgrammar's structural-tag dict for `spec` (not mutated), schemas checked."""
+    if not isinstance(spec, dict):
+        raise ValueError("structural_tag: must be an object")
+    if spec.get("type") == "structural_tag":
+        tag = copy.deepcopy(spec)
+        _bound_json_formats(tag, "$", params, check)
+        return tag
+    return _legacy_to_format(spec, params, check)

@@ -1,0 +1,182 @@
+"""xgrammar backend: every constraint kind, exact or rejected.
+
+Conversions to an xgrammar `Grammar` run with native warnings captured
+(`native_log`): any part of a constraint xgrammar would drop is an error.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from grammar.backend import CompiledGrammar, GrammarBackend, Matcher, set_only_tokens
+from grammar.native_log import call_capturing_warnings
+from grammar.schema_check import SchemaIssue, UnsupportedSchemaError, check_schema
+from grammar.structural_tag import structural_tag_spec
+from grammar.vocab import TokenVocab, VocabKind
+from schemas.structured import StructuredOutputsParams
+
+_VOCAB_TYPES = {VocabKind.BYTE_LEVEL: xgr.VocabType.BYTE_LEVEL,
+                VocabKind.BYTE_FALLBACK: xgr.VocabType.BYTE_FALLBACK,
+                VocabKind.RAW: xgr.VocabType.RAW}
+# Which keyword a native warning is about (message substring -> keyword).
+_WARNING_KEYWORDS = (("minLength/maxLength", "maxLength"), ("length constraints", "maxLength"),
+                     ("multipleOf", "multipleOf"), ("oneOf", "oneOf"), ("allOf", "allOf"),
+                     ("Lookahead", "pattern"), ("Anchor", "pattern"), ("URI", "$ref"))
+
+
+def native_error_text(err: Exception) -> str:
+    """First line of an xgrammar error without its '[time] file.cc:line: ' prefix."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return re.sub(r"^\[[\d:]+\] \S+\.cc:\d+: ", "", text)
+
+
+def json_schema_options(params: StructuredOutputsParams) -> dict[str, Any]:
+    """Whitespace options: none at all, or at most `max_whitespace` chars per run."""
+    if params.whitespace == "compact" or params.max_whitespace == 0:
+        return {"any_whitespace": False, "separators": (",", ":")}
+    return {"any_whitespace": True, "max_whitespace_cnt": params.max_whitespace}
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    # json.dumps quotes and escapes exactly like xgrammar's EBNF string literals.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+# xgrammar treats every oneOf it cannot prove disjoint as anyOf and says so, even
+# {array} | {null}. The schema checks already proved each reachable oneOf's
+# branches disjoint (or rejected the schema), and anyOf over disjoint branches
+# is oneOf, so this warning alone is harmless.
+_PROVEN_ELSEWHERE = ("oneOf with overlapping or non-provably-disjoint branches",)
+
+
+def _convert(kind: str, fn) -> xgr.Grammar:
+    try:
+        grammar, warnings = call_capturing_warnings(fn)
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise ValueError(f"xgrammar cannot compile this {kind}: {native_error_text(err)}") from None
+    if kind in ("JSON Schema", "structural tag"):
+        warnings = [w for w in warnings if not w.startswith(_PROVEN_ELSEWHERE)]
+    if warnings:
+        keyword = next((kw for key, kw in _WARNING_KEYWORDS if key in warnings[0]), kind)
+        if kind == "JSON Schema":
+            issues = [SchemaIssue(keyword, "$", f"xgrammar: {w}") for w in warnings]
+            raise UnsupportedSchemaError(issues, "xgrammar")
+        raise ValueError(f"xgrammar would not enforce this {kind} exactly: {warnings[0]}")
+    return grammar
+
+
+def to_xgrammar(params: StructuredOutputsParams) -> xgr.Grammar:
+    """Check `params` and convert it to an xgrammar Grammar (no tokenizer needed)."""
+    kind, spec = params.kind(), params.spec()
+    if kind == "json":
+        schema = check_schema(spec, "xgrammar")
+        schema = {} if schema is True else schema
+        return _convert("JSON Schema", lambda: xgr.Grammar.from_json_schema(
+            json.dumps(schema), strict_mode=True, **json_schema_options(params)))
+    if kind == "json_object":
+        return _convert("JSON Schema", lambda: xgr.Grammar.from_json_schema(
+            '{"type": "object"}', strict_mode=False, **json_schema_options(params)))
+    if kind == "regex":
+        return _convert("regex", lambda: xgr.Grammar.from_regex(spec))
+    if kind == "choice":
+        return _convert("choice", lambda: xgr.Grammar.from_ebnf(choice_ebnf(spec)))
+    if kind == "grammar":
+        return _convert("grammar", lambda: xgr.Grammar.from_ebnf(spec))
+    tag = structural_tag_spec(spec, params, check=lambda schema: check_schema(schema, "xgrammar"))
+    return _convert("structural tag", lambda: xgr.Grammar.from_structural_tag(json.dumps(tag)))
+
+
+class XGrammarMatcher(Matcher):
+    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int):
+        self.native = xgr.GrammarMatcher(compiled)
+        self._eos = eos_token_id
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        for n, tid in enumerate(token_ids):
+            if not self.native.accept_token(int(tid)):
+                if n:
+                    self.native.rollback(n)
+                return False
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.native.is_terminated():
+            set_only_tokens(bitmask, row, [self._eos])
+        else:
+            self.native.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.native.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.native.rollback(num_tokens)
+
+    def reset(self) -> None:
+        self.native.reset()
+
+    def jump_forward_string(self) -> str:
+        if self.native.is_terminated():
+            return ""
+        return self.native.find_jump_forward_string()
+
+
+class XGrammarCompiled(CompiledGrammar):
+    backend_name = "xgrammar"
+
+    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int):
+        self.native = compiled
+        self._eos = eos_token_id
+
+    def new_matcher(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self.native, self._eos)
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, vocab: TokenVocab, *, max_threads: int = 2, batch_fill_min: int = 64):
+        # Tokens without bytes (special/added/padding ids, the eos itself) are
+        # spelled "" so xgrammar treats them as special and never allows them.
+        encoded = [tok if vocab.token_bytes[i] is not None else ""
+                   for i, tok in enumerate(vocab.encoded)]
+        self.tokenizer_info = xgr.TokenizerInfo(
+            encoded, _VOCAB_TYPES[vocab.kind], vocab_size=vocab.vocab_size,
+            stop_token_ids=[vocab.eos_token_id], add_prefix_space=vocab.add_prefix_space)
+        # The manager keeps its own LRU of compiled grammars.
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
+                                             cache_enabled=False)
+        # Measured on 2 busy cores: filling 8 or 32 matchers one by one beat
+        # BatchGrammarMatcher (its threads cost more than they save), so it is
+        # used only from `batch_fill_min` live matchers up.
+        self._batch = xgr.BatchGrammarMatcher(max_threads)
+        self._batch_fill_min = batch_fill_min
+        self._eos = vocab.eos_token_id
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        to_xgrammar(params)
+
+    def compile(self, params: StructuredOutputsParams) -> XGrammarCompiled:
+        grammar = to_xgrammar(params)
+        return XGrammarCompiled(self._compiler.compile_grammar(grammar), self._eos)
+
+    def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
+                      rows: Sequence[int]) -> None:
+        live, live_rows = [], []
+        for m, row in zip(matchers, rows):
+            assert isinstance(m, XGrammarMatcher)
+            if m.is_terminated():
+                m.fill_bitmask(bitmask, row)
+            else:
+                live.append(m.native)
+                live_rows.append(row)
+        if len(live) >= self._batch_fill_min:
+            self._batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
+        else:
+            for native, row in zip(live, live_rows):
+                native.fill_next_token_bitmask(bitmask, row)

@@ -1,0 +1,268 @@
+"""Conformance tests shared by the xgrammar and outlines-core backends.
+
+Random walks sample uniformly among the tokens the mask allows (seeded) until
+the stop token or a step limit; every finished walk must validate against the
+constraint by an independent reference (jsonschema, re.fullmatch, membership,
+a recursive-descent parser for the EBNF).
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from grammar.backend import allocate_bitmask, allowed_mask, allowed_token_ids
+from grammar.jump_forward import forced_tokens
+from grammar.outlines_backend import OutlinesBackend
+from grammar.vocab import TokenVocab
+from grammar.xgrammar_backend import XGrammarBackend
+from schemas.structured import StructuredOutputsParams as P
+
+VOCAB = 49152
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "tags": {"type": "array", "items": {"enum": ["a", "b c", "\u00e9"]}, "maxItems": 2},
+    "ok": {"type": "boolean"}}, "required": ["name", "ok"], "additionalProperties": False}
+REGEX = r"[a-c]{2,4}-\d{1,3}"
+CHOICES = ["red", "blue sky", "blue sea", 'say "hi"\n']
+EBNF = r"""root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= num | "(" expr ")"
+num ::= [0-9] | [1-9] [0-9]
+"""
+
+
+def parse_expr(text: str) -> bool:
+    """Reference parser for EBNF above: True iff `text` is a full expression."""
+    pos = 0
+
+    def term() -> bool:
+        nonlocal pos
+        if text[pos:pos + 1] == "(":
+            pos += 1
+            if not expr() or text[pos:pos + 1] != ")":
+                return False
+            pos += 1
+            return True
+        m = re.match(r"[1-9][0-9]|[0-9]", text[pos:])
+        if m is None:
+            return False
+        pos += m.end()
+        return True
+
+    def expr() -> bool:
+        nonlocal pos
+        if not term():
+            return False
+        while text[pos:pos + 1] in ("+", "-") and pos < len(text):
+            pos += 1
+            if not term():
+                return False
+        return True
+
+    return expr() and pos == len(text)
+
+
+def _json_ok(schema, max_ws):
+    """Valid JSON for `schema` with whitespace runs (outside strings) <= max_ws."""
+    def check(text):
+        jsonschema.validate(json.loads(text), schema)
+        outside = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+        assert not re.search(r"\s{%d}" % (max_ws + 1), outside), text
+        return True
+    return check
+
+
+CASES = {
+    "json-compact": (P(json=PERSON, whitespace="compact"), _json_ok(PERSON, 0)),
+    "json-flexible": (P(json=PERSON, max_whitespace=2), _json_ok(PERSON, 2)),
+    "regex": (P(regex=REGEX), lambda t: re.fullmatch(REGEX, t) is not None),
+    "choice": (P(choice=CHOICES), lambda t: t in CHOICES),
+    "grammar": (P(grammar=EBNF), parse_expr),
+}
+VALID = {"json-compact": ['{"name":"ab","tags":["b c"],"ok":true}', '{"name":"","ok":false}'],
+         "json-flexible": ['{ "name": "ab",\n "ok" : true }'],
+         "regex": ["ab-1", "cccc-999"], "choice": CHOICES, "grammar": ["1+(2-34)", "(7)"]}
+INVALID = {"json-compact": ['{"name":"ab", "ok":true}', '{"name":"abcdefg","ok":true}',
+                            '{"ok":true,"name":"a"}', '{"name":"a","ok":true,"x":1}'],
+           "json-flexible": ['{"name":   "ab","ok":true}', '{"name":"ab","ok":1}'],
+           "regex": ["a-1", "ab-1234", "abd-1"], "choice": ["blue", "red "],
+           "grammar": ["1+", "(1", "012", "1++2"]}
+BACKEND_KINDS = [(b, k) for b in ("xgrammar", "outlines") for k in CASES
+                 if not (b == "outlines" and k == "grammar")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from core.tokenizer import load_tokenizer
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer):
+    return TokenVocab.from_tokenizer(tokenizer, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def backends(vocab):
+    return {"xgrammar": XGrammarBackend(vocab), "outlines": OutlinesBackend(vocab)}
+
+
+@pytest.fixture(scope="module")
+def compiled(backends):
+    cache = {}
+
+    def get(backend, kind):
+        if (backend, kind) not in cache:
+            cache[backend, kind] = backends[backend].compile(CASES[kind][0])
+        return cache[backend, kind]
+    return get
+
+
+def accepts(matcher, tokenizer, vocab, text: str) -> bool:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return (matcher.accept_tokens(ids) and matcher.accept_tokens([vocab.eos_token_id])
+            and matcher.is_terminated())
+
+
+def random_walk(matcher, vocab, rng, max_steps=150) -> tuple[str, bool]:
+    eos, bitmask, out = vocab.eos_token_id, allocate_bitmask(1, VOCAB), []
+    never = torch.tensor([b is None for b in vocab.token_bytes])    # special/padding ids
+    never[eos] = False
+    for _ in range(max_steps):
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = allowed_mask(bitmask, 0, VOCAB)
+        assert allowed.any() and not (allowed & never).any()
+        stop_ok = bool(allowed[eos])
+        allowed[eos] = False
+        others = torch.nonzero(allowed).flatten()
+        stop = stop_ok and (len(others) == 0 or rng.random() < 0.3)
+        tok = eos if stop else int(others[rng.randrange(len(others))])
+        assert matcher.accept_tokens([tok]), "a token the mask allowed was rejected"
+        if stop:
+            assert matcher.is_terminated()
+            return b"".join(out).decode("utf-8"), True
+        out.append(vocab.token_bytes[tok])
+    return b"".join(out).decode("utf-8", "replace"), False
+
+
+# outlines-core bounds each whitespace slot; two slots can touch ("[  ]"), so a
+# run is bounded by twice the setting there (still finite: it cannot loop).
+OUTLINES_CHECKS = {"json-flexible": _json_ok(PERSON, 4)}
+
+
+@pytest.mark.parametrize("backend,kind", BACKEND_KINDS)
+def test_random_walks_under_the_mask_validate(backend, kind, compiled, vocab):
+    check = OUTLINES_CHECKS.get(kind, CASES[kind][1]) if backend == "outlines" else CASES[kind][1]
+    finished = 0
+    for seed in range(6):
+        text, done = random_walk(compiled(backend, kind).new_matcher(), vocab, random.Random(seed))
+        if done:
+            assert check(text), f"{backend}/{kind} produced {text!r}"
+            finished += 1
+    assert finished >= 3
+
+
+@pytest.mark.parametrize("backend,kind", BACKEND_KINDS)
+def test_valid_accepted_invalid_rejected(backend, kind, compiled, tokenizer, vocab):
+    g = compiled(backend, kind)
+    for text in VALID[kind]:
+        assert CASES[kind][1](text)
+        assert accepts(g.new_matcher(), tokenizer, vocab, text), text
+    for text in INVALID[kind]:
+        assert not accepts(g.new_matcher(), tokenizer, vocab, text), text
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_rollback_restores_masks_and_accept_is_atomic(backend, compiled, tokenizer, vocab):
+    m = compiled(backend, "json-compact").new_matcher()
+    ids = tokenizer.encode('{"name":"ab","ok":true}', add_special_tokens=False)
+    masks = []
+    for tid in ids:
+        bm = allocate_bitmask(1, VOCAB)
+        m.fill_bitmask(bm, 0)
+        masks.append(bm)
+        assert m.accept_tokens([tid])
+    assert m.accept_tokens([vocab.eos_token_id]) and m.is_terminated()
+    m.rollback(3)                                   # the stop token and two more
+    assert not m.is_terminated()
+    bm = allocate_bitmask(1, VOCAB)
+    m.fill_bitmask(bm, 0)
+    assert torch.equal(bm, masks[len(ids) - 2])
+    assert not m.accept_tokens(ids[-2:] + [ids[0]])  # last token invalid: nothing advances
+    m.fill_bitmask(bm, 0)
+    assert torch.equal(bm, masks[len(ids) - 2])
+    m.reset()
+    m.fill_bitmask(bm, 0)
+    assert torch.equal(bm, masks[0])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_jump_forward(backend, compiled, tokenizer, vocab):
+    m = compiled(backend, "json-compact").new_matcher()
+    assert m.jump_forward_string() == '{"name":"'
+    assert m.accept_tokens(tokenizer.encode('{"name":"ab"', add_special_tokens=False))
+    assert m.jump_forward_string() == ',"'
+    c = compiled(backend, "choice").new_matcher()
+    assert c.jump_forward_string() == ""             # red | blue ...
+    assert c.accept_tokens(tokenizer.encode("b", add_special_tokens=False))
+    assert c.jump_forward_string() == "lue s"
+    tokens = forced_tokens(c, tokenizer, vocab)
+    assert tokens and b"".join(vocab.token_bytes[t] for t in tokens) in (b"lue", b"lue s")
+    assert c.jump_forward_string() == "lue s"[len(b"".join(vocab.token_bytes[t] for t in tokens)):]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_padding_and_special_ids_never_allowed(backend, tokenizer):
+    padded = TokenVocab.from_tokenizer(tokenizer, VOCAB + 64)
+    cls = XGrammarBackend if backend == "xgrammar" else OutlinesBackend
+    m = cls(padded).compile(P(json={"type": "string"}, whitespace="compact")).new_matcher()
+    assert m.accept_tokens(tokenizer.encode('"', add_special_tokens=False))
+    bm = allocate_bitmask(1, VOCAB + 64)
+    m.fill_bitmask(bm, 0)
+    allowed = set(allowed_token_ids(bm, 0, VOCAB + 64))
+    assert len(allowed) > 40000 and max(allowed) < VOCAB
+    assert not allowed & set(padded.special_ids)
+    assert m.accept_tokens(tokenizer.encode('a"', add_special_tokens=False))
+    m.fill_bitmask(bm, 0)
+    assert allowed_token_ids(bm, 0, VOCAB + 64) == [padded.eos_token_id]
+
+
+def test_outlines_rejects_what_it_cannot_enforce(backends):
+    for params in (P(grammar=EBNF), P(structural_tag={"triggers": ["<f"], "structures": [
+            {"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}]})):
+        with pytest.raises(ValueError, match="outlines backend does not support"):
+            backends["outlines"].check(params)
+
+
+def test_structural_tag_tool_calls(backends, tokenizer, vocab):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    tag = {"triggers": ["<tool_call>"], "structures": [
+        {"begin": '<tool_call>{"name": "weather", "arguments": ', "schema": schema,
+         "end": "}</tool_call>"}]}
+    g = backends["xgrammar"].compile(P(structural_tag=tag, whitespace="compact"))
+    call = '<tool_call>{"name": "weather", "arguments": {"city":"Paris"}}</tool_call>'
+    for text in ("Just text.", "Sure. " + call, call + " done"):
+        assert accepts(g.new_matcher(), tokenizer, vocab, text), text
+    bad = call.replace("city", "town")
+    assert not accepts(g.new_matcher(), tokenizer, vocab, bad)
+
+
+def test_outlines_index_build_is_isolated_and_bounded():
+    import outlines_core as oc
+
+    from grammar.outlines_worker import build_index
+
+    vocabulary = oc.Vocabulary(9, {b"a": [0], b"b": [1]})
+    index = build_index("[ab]{2,3}", vocabulary, timeout_s=30.0)
+    assert index.get_next_state(index.get_next_state(index.get_initial_state(), 0), 1) \
+        in index.get_final_states()
+    with pytest.raises(ValueError, match="did not finish compiling within 1 s"):
+        build_index("(a|b)*a(a|b){20}", vocabulary, timeout_s=1.0)   # 2^20-state DFA
+    with pytest.raises(ValueError, match="cannot compile"):
+        build_index("a(?=b)", vocabulary, timeout_s=30.0)

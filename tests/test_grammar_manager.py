@@ -1,0 +1,175 @@
+"""StructuredOutputManager: async compile, cache, failures, timeouts, batched masks."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from xgrammar.testing import bitmask_to_bool_mask
+
+from grammar.backend import allocate_bitmask, allowed_mask, set_only_tokens
+from grammar.manager import StructuredOutputManager
+from schemas.structured import StructuredOutputsParams as P
+
+VOCAB = 49152
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
+          "required": ["n", "s"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from core.tokenizer import load_tokenizer
+    return load_tokenizer(None)
+
+
+@pytest.fixture
+def manager(tokenizer):
+    m = StructuredOutputManager(tokenizer, VOCAB, compile_timeout_s=20.0)
+    yield m
+    m.shutdown()
+
+
+class SlowBackend:
+    """Wraps a backend; compile() waits until released (or `delay_s` passes)."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.name, self.delay_s = inner, inner.name, delay_s
+        self.release = threading.Event()
+        self.calls = 0
+
+    def compile(self, params):
+        self.calls += 1
+        self.release.wait(self.delay_s)
+        return self.inner.compile(params)
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+
+def wait(manager, rid, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while manager.status(rid) == "pending":
+        assert time.monotonic() < deadline, "compile never finished"
+        time.sleep(0.01)
+    return manager.status(rid)
+
+
+def ids(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_submit_does_not_block_and_shares_inflight_and_cached_compiles(manager, monkeypatch):
+    slow = SlowBackend(manager._backends["xgrammar"], delay_s=10.0)
+    monkeypatch.setitem(manager._backends, "xgrammar", slow)
+    start = time.monotonic()
+    manager.submit("a", P(json=SCHEMA))
+    manager.submit("b", P(json=SCHEMA))               # same key while compiling
+    assert time.monotonic() - start < 0.5
+    assert manager.status("a") == manager.status("b") == "pending"
+    slow.release.set()
+    assert wait(manager, "a") == "ready" and wait(manager, "b") == "ready"
+    manager.submit("c", P(json=SCHEMA))               # cached: ready at once
+    assert manager.status("c") == "ready"
+    stats = manager.stats()
+    assert slow.calls == 1 and stats["compiles"] == 1
+    assert stats["inflight_shared"] == 1 and stats["cache_hits"] == 1
+    for rid in "abc":                                 # separate matchers per request
+        assert manager.accept_tokens(rid, ids(manager._tokenizer, '{"n":' + str(ord(rid))))
+    assert manager._requests["a"].matcher is not manager._requests["b"].matcher
+
+
+def test_failure_is_isolated_and_messages_name_keyword_and_path(manager):
+    bad = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    msg = "unsupported JSON Schema keyword 'uniqueItems' at $.properties.tags"
+    manager.submit("bad", P(json=bad))
+    manager.submit("explicit", P(json=bad, backend="xgrammar"))
+    manager.submit("meta", P(json={"type": "object", "properties": {"a": {"type": "strng"}}}))
+    manager.submit("empty", P())
+    manager.submit("good", P(json=SCHEMA))
+    assert wait(manager, "bad") == "failed" and manager.error("bad").startswith(msg)
+    assert wait(manager, "explicit") == "failed" and manager.error("explicit").startswith(msg)
+    assert wait(manager, "meta") == "failed"
+    assert manager.error("meta").startswith("invalid JSON Schema at $.properties.a.type")
+    assert manager.status("empty") == "failed" and "exactly one of" in manager.error("empty")
+    assert wait(manager, "good") == "ready"
+    with pytest.raises(ValueError, match=r"'uniqueItems' at \$\.properties\.tags"):
+        manager.validate(P(json=bad))
+    with pytest.raises(ValueError, match="invalid regex|cannot compile this regex"):
+        manager.validate(P(regex="(a"))
+    with pytest.raises(ValueError, match="grammar"):
+        manager.validate(P(grammar="root ::= undefined_rule"))
+    manager.validate(P(json=SCHEMA))
+
+
+def test_compile_timeout_fails_the_request(tokenizer, monkeypatch):
+    m = StructuredOutputManager(tokenizer, VOCAB, compile_timeout_s=0.2)
+    slow = SlowBackend(m._backends["xgrammar"], delay_s=5.0)
+    monkeypatch.setitem(m._backends, "xgrammar", slow)
+    m.submit("r", P(regex="[a-z]+"))
+    time.sleep(0.3)
+    assert m.status("r") == "failed" and "longer than 0.2 s" in m.error("r")
+    slow.release.set()
+    m.shutdown()
+
+
+def test_auto_falls_back_to_outlines_only_when_it_enforces_more(manager, tokenizer):
+    manager.submit("p", P(regex=r"\p{L}+"))          # xgrammar: no Unicode classes
+    manager.submit("x", P(regex=r"[a-z]+"))
+    assert wait(manager, "p") == "ready" and wait(manager, "x") == "ready"
+    assert manager.stats()["by_backend"] == {"outlines": 1, "xgrammar": 1}
+    assert manager.accept_tokens("p", ids(tokenizer, "h\u00e9llo"))
+    assert not manager.accept_tokens("p", ids(tokenizer, "3"))
+
+
+def test_bitmask_rows_match_per_request_matchers(manager, tokenizer):
+    eos = tokenizer.eos_token_id
+    reqs = {"j": P(json=SCHEMA, whitespace="compact"), "o": P(regex="[0-9]{2}", backend="outlines"),
+            "c": P(choice=["yes", "no"]), "done": P(choice=["ok"])}
+    for rid, params in reqs.items():
+        manager.submit(rid, params)
+    assert all(wait(manager, rid) == "ready" for rid in reqs)
+    assert manager.accept_tokens("j", ids(tokenizer, '{"n":12,"s":"'))
+    assert manager.accept_tokens("o", ids(tokenizer, "4"))
+    assert manager.accept_tokens("done", ids(tokenizer, "ok") + [eos])
+    assert manager.is_terminated("done") and not manager.is_terminated("j")
+    order = ["o", "free", "j", "done", "c"]
+    out = manager.fill_bitmask(order)
+    assert out.shape == (5, VOCAB // 32) and out.dtype == torch.int32
+    for row, rid in enumerate(order):
+        expect = allocate_bitmask(1, VOCAB)
+        if rid in reqs:
+            manager._requests[rid].matcher.fill_bitmask(expect, 0)
+        assert torch.equal(out[row], expect[0]), rid
+    assert torch.nonzero(allowed_mask(out, 3, VOCAB)).flatten().tolist() == [eos]
+    assert manager.fill_bitmask(["free"]) is None
+    big = manager.fill_bitmask(["j", "c"] * 40)       # grows the buffer; batched xgrammar fill
+    assert big.shape[0] == 80 and torch.equal(big[78], out[2]) and torch.equal(big[79], out[4])
+
+
+def test_jump_forward_tokens_are_accepted_and_can_be_disabled(tokenizer):
+    for enabled in (True, False):
+        m = StructuredOutputManager(tokenizer, VOCAB, enable_jump_forward=enabled)
+        m.submit("r", P(json=SCHEMA, whitespace="compact"))
+        assert wait(m, "r") == "ready"
+        forced = m.jump_forward_tokens("r")
+        if not enabled:
+            assert forced == []
+            continue
+        text = b"".join(m.vocab.token_bytes[t] for t in forced).decode()
+        assert text and '{"n":'.startswith(text)
+        rest = '{"n":1,"s":"x"}'[len(text):]
+        assert m.accept_tokens("r", ids(tokenizer, rest) + [tokenizer.eos_token_id])
+        assert m.is_terminated("r") and m.jump_forward_tokens("r") == []
+        m.remove("r")
+        assert "r" not in m._requests
+        m.shutdown()
+
+
+def test_bitmask_helpers_match_xgrammar_reference():
+    vocab = 250                                   # the reference loops in Python
+    bm = torch.randint(-2**31, 2**31 - 1, (2, 8), dtype=torch.int32)
+    assert torch.equal(allowed_mask(bm, 1, vocab), bitmask_to_bool_mask(bm[1:2], vocab)[0])
+    set_only_tokens(bm, 0, [0, 31, 32, vocab - 1])
+    assert torch.nonzero(bitmask_to_bool_mask(bm[:1], vocab)[0]).flatten().tolist() == \
+        [0, 31, 32, vocab - 1]
