@@ -52,7 +52,9 @@ class _Detok:
     def __init__(self, tokenizer, params: SamplingParams):
         self._tok = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        self.stops = params.stop or []
+        # A grammar decides where a constrained output ends: a stop string could cut
+        # valid JSON and still report "stop", so stop strings apply to free text only.
+        self.stops = (params.stop or []) if params.structured_outputs is None else []
         self.include_stop = params.include_stop_str_in_output
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
