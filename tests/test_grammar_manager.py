@@ -65,7 +65,7 @@ def test_submit_does_not_block_and_shares_inflight_and_cached_compiles(manager, 
     start = time.monotonic()
     manager.submit("a", P(json=SCHEMA))
     manager.submit("b", P(json=SCHEMA))               # same key while compiling
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 5.0              # the compile takes 10 s: submit did not wait
     assert manager.status("a") == manager.status("b") == "pending"
     slow.release.set()
     assert wait(manager, "a") == "ready" and wait(manager, "b") == "ready"

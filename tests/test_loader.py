@@ -27,7 +27,7 @@ def test_second_resolve_reuses_cache_quickly(default_model_dir):
     start = time.perf_counter()
     for name in (None, DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct"):
         assert resolve_model(name) == default_model_dir
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 5.0    # a conversion takes tens of seconds; a cache hit ms
     assert (default_model_dir / "model.safetensors").stat().st_mtime_ns == mtime
 
 
