@@ -21,7 +21,8 @@ class PlanBuilder:
             out.new_reqs.append(NewRequestData(
                 req_id=rid, prompt_token_ids=list(req.prompt_token_ids),
                 sampling_params=req.sampling_params, block_ids=all_block_ids,
-                num_computed_tokens=num_computed, output_token_ids=list(req.output_token_ids)))
+                num_computed_tokens=num_computed, output_token_ids=list(req.output_token_ids),
+                eos_token_id=req.eos_token_id))
         else:
             out.cached_reqs.append(CachedRequestData(
                 req_id=rid, new_block_ids=new_block_ids, num_computed_tokens=num_computed,

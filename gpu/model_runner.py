@@ -26,6 +26,7 @@ class _ReqState:
     num_prompt_tokens: int
     block_ids: list[int]
     params: SamplingParams
+    eos_token_id: int | None
     num_computed_tokens: int = 0
     scheduled: list[int] = field(default_factory=list)   # tokens scheduled this step
 
@@ -60,7 +61,7 @@ class ModelRunner:
         for nr in so.new_reqs:
             p = nr.sampling_params
             tokens = list(nr.prompt_token_ids) + list(nr.output_token_ids)
-            st = _ReqState(nr.req_id, tokens, len(nr.prompt_token_ids), list(nr.block_ids), p,
+            st = _ReqState(nr.req_id, tokens, len(nr.prompt_token_ids), list(nr.block_ids), p, nr.eos_token_id,
                            nr.num_computed_tokens)
             n = so.num_scheduled_tokens[nr.req_id]
             st.scheduled = tokens[nr.num_computed_tokens:nr.num_computed_tokens + n]
@@ -143,6 +144,12 @@ class ModelRunner:
         use_pf = any(p.presence_penalty or p.frequency_penalty for p in ps)
         use_rep = any(p.repetition_penalty != 1.0 for p in ps)
         nlp = [p.logprobs for p in ps]
+        # min_tokens: eos and stop ids cannot be sampled before that many outputs (as vLLM / HF)
+        banned = []
+        for row, (s, p) in enumerate(zip(states, ps)):
+            if p.min_tokens and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
+                ids = list(p.stop_token_ids or []) + ([s.eos_token_id] if s.eos_token_id is not None else [])
+                banned.extend((row, t) for t in ids)
         return SamplingBatch(
             temperature=col([0.0 if p.greedy else p.temperature for p in ps]),
             top_p=col([p.top_p for p in ps]) if use_top_p else None,
@@ -158,4 +165,5 @@ class ModelRunner:
             all_token_ids=[s.token_ids for s in states] if use_rep else None,
             max_num_logprobs=max((n for n in nlp if n is not None), default=None),
             num_logprobs=nlp,
+            banned=banned or None,
         )

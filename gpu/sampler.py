@@ -35,6 +35,7 @@ class SamplingBatch:
     all_token_ids: list[list[int]] | None      # per row, prompt+output, for repetition
     max_num_logprobs: int | None       # None -> no row wants logprobs
     num_logprobs: list[int | None]
+    banned: list[tuple[int, int]] | None = None   # (row, token id) that must not be sampled
 
 
 @dataclass(slots=True)
@@ -129,6 +130,9 @@ class Sampler:
         """logits: [B, V] float32 (mutated). bitmask: [M, ceil(V/32)] int32 for rows bitmask_rows."""
         if bitmask is not None and bitmask.shape[0] > 0:
             apply_bitmask(logits, bitmask, bitmask_rows)
+        if batch.banned:
+            rows, toks = zip(*batch.banned)
+            logits[list(rows), list(toks)] = float("-inf")
         if batch.presence is not None or batch.frequency is not None or batch.repetition is not None:
             apply_penalties(logits, batch)
         greedy = logits.argmax(-1)

@@ -19,6 +19,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int          # tokens already in the KV cache (prefix hit)
     output_token_ids: list[int] = field(default_factory=list)  # non-empty when resumed after preemption
+    eos_token_id: int | None = None   # masked (with stop_token_ids) until min_tokens are out
 
 
 @dataclass(slots=True)

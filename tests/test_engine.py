@@ -161,3 +161,14 @@ def test_n_seeded_sampling_reproducible_and_logprobs(llm):
         for lp, tok in zip(c.logprobs, c.token_ids):
             assert lp.chosen.token_id == tok and lp.chosen.logprob <= 0 and len(lp.top) == 2
     assert_idle(llm)
+
+
+def test_min_tokens_masks_eos_and_stop_ids(llm):
+    free = llm.generate([{"prompt_token_ids": [4, 5, 6]}], SamplingParams(max_tokens=4, **GREEDY),
+                        use_tqdm=False)[0].outputs[0]
+    first = free.token_ids[0]
+    out = llm.generate([{"prompt_token_ids": [4, 5, 6]}],
+                       SamplingParams(max_tokens=6, min_tokens=4, temperature=0, stop_token_ids=[first]),
+                       use_tqdm=False)[0].outputs[0]
+    assert first not in out.token_ids[:4]           # masked, not merely ignored
+    assert out.token_ids[0] != first

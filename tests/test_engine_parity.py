@@ -36,7 +36,8 @@ def hf_reference(default_model_dir):
 
 
 def run(llm, ids):
-    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    # min_tokens masks eos exactly as HF's min_new_tokens does
+    sp = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
     return [o.outputs[0].token_ids for o in
             llm.generate([{"prompt_token_ids": i} for i in ids], sp, use_tqdm=False)]
 
