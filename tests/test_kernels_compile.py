@@ -5,6 +5,9 @@ loop-carried values, constexpr handling and layout conversion are only checked
 by a real compile. Triton's wheel carries ptxas, so a cubin can be built here.
 """
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
 import triton
@@ -14,6 +17,23 @@ from triton.compiler import ASTSource
 from kernels import bitmask, kv_store, paged_attention
 
 pytestmark = pytest.mark.slow  # a few seconds per compile on a CPU
+
+# Triton's interpreter patches triton.language builtins in the process that ran
+# it, and a real compile afterwards can fail on the patched functions; so the
+# compiles run in a fresh interpreter (this module, re-entered as a child).
+_CHILD = os.environ.get("FORMWORK_COMPILE_CHILD") == "1"
+
+
+def test_kernels_compile_in_a_fresh_process(tmp_path):
+    if _CHILD:
+        return
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(FORMWORK_COMPILE_CHILD="1", TRITON_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "not fresh_process"], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "3 passed" in proc.stdout, proc.stdout[-2000:]
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -63,3 +83,7 @@ def test_paged_attention_compiles(dtype, group, block_m, precision):
     _compile(paged_attention._paged_attention_kernel, types,
              {"G": group, "BLOCK_M": block_m, "BLOCK_Q": block_m // group, "HEAD_DIM_P": 64,
               "BLOCK_SIZE": 16, "TILE_N": 32, "PRECISION": precision}, num_warps=4)
+
+
+if not _CHILD:   # collected only in the child process started above
+    del test_bitmask_and_kv_store_compile, test_paged_attention_compiles
