@@ -1,0 +1,353 @@
+"""`formwork extract`: documents in, one schema-valid JSON record per document out.
+
+    formwork extract --schema invoice.json docs/ -o out.jsonl
+    formwork extract --schema models.py:Contact notes.jsonl --text-field body --id-field id
+    formwork extract --schema contact.json - < letter.txt
+    formwork extract --schema invoice.json --server http://127.0.0.1:8000 docs/
+
+Each document becomes one chat request: a system message (the instructions and
+the schema) and a user message (the document), decoded under the schema as a
+structured-output constraint, greedy unless --temperature. Offline (the
+default), every document goes to the in-process engine in one call and
+continuous batching does the rest; with --server the requests go concurrently
+(--concurrency) to a running `formwork serve` or any OpenAI-compatible endpoint.
+
+Output (-o FILE or stdout): one JSON line per document, in input order offline
+and in completion order with --server:
+    {"id", "source", "data", "valid", "finish_reason", "error",
+     "usage": {"prompt_tokens", "completion_tokens"}, "truncated"}
+`data` is the parsed output (null when it does not parse); `valid` is true only
+when the output finished normally, parses and validates against the schema
+(jsonschema). Invalid JSON, schema violations, outputs cut by --max-tokens,
+unreadable inputs and server errors are recorded with valid=false and an
+`error`; no document is dropped.
+
+Long documents: offline, when the prompt plus --max-tokens exceeds the model's
+context, the end of the document is cut so that it fits; a warning goes to
+stderr and the record says "truncated": true. `--on-long skip` records such a
+document as failed instead. With --server the document is sent whole and a
+context-length refusal is recorded as that document's error.
+
+Ids: a file found in a folder -> its path relative to that folder; a file named
+on the command line -> the path as given; `-` -> "stdin"; a JSONL line -> its
+--id-field value, else "PATH:LINE". --resume appends to -o and skips ids it
+already holds (valid or not).
+
+Exit status: 0 when every document is valid (or --allow-failures), 1 when any
+failed or was invalid, 2 for usage and schema errors, which are reported before
+any model is loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+import urllib.parse
+from dataclasses import dataclass
+
+from gateway.extract_io import (DEFAULT_GLOBS, Document, RecordSink, Summary, UsageError,
+                                collect_documents, done_ids, judge, load_schema, make_record,
+                                make_validator)
+from schemas.sampling import SamplingParams
+from schemas.structured import StructuredOutputsParams
+
+DEFAULT_INSTRUCTIONS = (
+    "Extract the information described by the JSON schema below from the document the user "
+    "sends. Reply with one JSON object that follows the schema. Use only facts stated in the "
+    "document.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExtractOptions:
+    schema: dict
+    instructions: str = DEFAULT_INSTRUCTIONS
+    max_tokens: int = 512
+    temperature: float = 0.0
+    on_long: str = "truncate"   # "truncate" | "skip"
+
+    def sampling_params(self) -> SamplingParams:
+        """Raises ValueError naming the bad parameter."""
+        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
+                              structured_outputs=StructuredOutputsParams(json=self.schema))
+
+
+def warn(msg: str) -> None:
+    print(f"formwork extract: warning: {msg}", file=sys.stderr, flush=True)
+
+
+# -- prompts --------------------------------------------------------------
+def build_messages(text: str, opts: ExtractOptions) -> list[dict]:
+    schema = json.dumps(opts.schema, ensure_ascii=False)
+    return [{"role": "system", "content": f"{opts.instructions}\n\nJSON schema:\n{schema}"},
+            {"role": "user", "content": text}]
+
+
+def _prompt_len(tokenizer, messages: list[dict]) -> int:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                        return_dict=False)
+    return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def fit_document(tokenizer, text: str, opts: ExtractOptions,
+                 max_model_len: int) -> tuple[str, int, int]:
+    """(text, prompt tokens with the whole document, prompt tokens with `text`):
+    the document itself when its prompt leaves room for max_tokens, else its
+    longest token prefix that does. ValueError when not even an empty one fits."""
+    budget = max_model_len - opts.max_tokens
+    full = _prompt_len(tokenizer, build_messages(text, opts))
+    if full <= budget:
+        return text, full, full
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    keep = len(ids) - (full - budget)
+    while keep > 0:  # re-tokenizing the cut text can shift the count by a token or two
+        cut = tokenizer.decode(ids[:keep])
+        n = _prompt_len(tokenizer, build_messages(cut, opts))
+        if n <= budget:
+            return cut, full, n
+        keep -= n - budget
+    raise ValueError(f"the instructions and schema leave no room for a document within "
+                     f"max_model_len {max_model_len} minus --max-tokens {opts.max_tokens}")
+
+
+def _offline_prompt(llm, doc: Document, opts: ExtractOptions) -> tuple[list[dict], bool] | dict:
+    """(messages, truncated), or the record of a document that is not sent."""
+    limit = llm.engine.max_model_len
+    try:
+        text, full, n = fit_document(llm.tokenizer, doc.text, opts, limit)
+    except ValueError as e:
+        return make_record(doc, error=str(e))
+    if n == full:
+        return build_messages(text, opts), False
+    why = f"{full} prompt tokens + --max-tokens {opts.max_tokens} > max_model_len {limit}"
+    if opts.on_long == "skip":
+        warn(f"{doc.id}: too long, skipped ({why})")
+        return make_record(doc, error=f"document too long ({why}); skipped (--on-long skip)")
+    warn(f"{doc.id}: too long, truncated to {n} prompt tokens ({why})")
+    return build_messages(text, opts), True
+
+
+# -- the two ways to run --------------------------------------------------
+def extract_offline(llm, docs: list[Document], opts: ExtractOptions, *,
+                    progress: bool = True) -> list[dict]:
+    """Records of `docs`, in order. Every document that is sent goes to
+    `llm.chat` in one call, so the engine batches them continuously."""
+    validator = make_validator(opts.schema)
+    records: list[dict | None] = [None] * len(docs)
+    convs, sent = [], []                    # sent[k]: (index in docs, truncated) of convs[k]
+    for i, doc in enumerate(docs):
+        prompt = make_record(doc, error=doc.error) if doc.error else _offline_prompt(llm, doc, opts)
+        if isinstance(prompt, dict):
+            records[i] = prompt
+        else:
+            convs.append(prompt[0])
+            sent.append((i, prompt[1]))
+    outs = llm.chat(convs, opts.sampling_params(), use_tqdm=progress) if convs else []
+    for (i, truncated), out in zip(sent, outs, strict=True):
+        c = out.outputs[0]
+        records[i] = judge(docs[i], c.text, c.finish_reason, validator, truncated=truncated,
+                           usage=(len(out.prompt_token_ids), len(c.token_ids)), error=c.error)
+    return records
+
+
+def api_base(url: str) -> str:
+    """A bare http://host:port gets the /v1 prefix; any other path is kept."""
+    return url.rstrip("/") + "/v1" if urllib.parse.urlsplit(url).path in ("", "/") else url
+
+
+def response_format(schema: dict) -> dict:
+    name = "".join(c if c.isalnum() or c in "_-" else "_" for c in str(schema.get("title", "")))
+    return {"type": "json_schema",
+            "json_schema": {"name": name[:64] or "extraction", "schema": schema, "strict": True}}
+
+
+async def extract_server(docs: list[Document], opts: ExtractOptions, emit, *, base_url: str,
+                         api_key: str | None = None, model: str | None = None,
+                         concurrency: int = 16, timeout_s: float = 600.0,
+                         progress: bool = True) -> None:
+    """Sends `docs` to an OpenAI-compatible server, at most `concurrency` at a
+    time, and calls `emit(record)` as each one completes."""
+    import openai
+    from tqdm.auto import tqdm
+
+    validator, fmt = make_validator(opts.schema), response_format(opts.schema)
+    async with openai.AsyncOpenAI(base_url=api_base(base_url), api_key=api_key or "EMPTY",
+                                  timeout=timeout_s) as client:
+        if model is None:
+            model = await _first_model(client, base_url)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(doc: Document) -> dict:
+            if doc.error:
+                return make_record(doc, error=doc.error)
+            async with gate:
+                try:
+                    resp = await client.chat.completions.create(
+                        model=model, messages=build_messages(doc.text, opts), response_format=fmt,
+                        temperature=opts.temperature, max_tokens=opts.max_tokens)
+                except openai.APIError as e:
+                    return make_record(doc, error=_server_error(e))
+            choice, u = resp.choices[0], resp.usage
+            return judge(doc, choice.message.content or "", choice.finish_reason, validator,
+                         usage=(u.prompt_tokens, u.completion_tokens) if u else (0, 0))
+
+        with tqdm(total=len(docs), unit="doc", desc="extract", disable=not progress,
+                  file=sys.stderr, dynamic_ncols=True) as bar:
+            t0, tokens = time.perf_counter(), 0
+            for done in asyncio.as_completed([one(d) for d in docs]):
+                rec = await done
+                emit(rec)
+                tokens += rec["usage"]["completion_tokens"]
+                bar.update(1)
+                bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s")
+
+
+def _server_error(e) -> str:
+    """'server error 400: <the server's message>' from an openai.APIError."""
+    code = getattr(e, "status_code", None)
+    body = e.body if isinstance(e.body, dict) else {}
+    return f"server error{f' {code}' if code else ''}: {body.get('message') or e.message}"
+
+
+async def _first_model(client, url: str) -> str:
+    import openai
+    try:
+        models = (await client.models.list()).data
+    except openai.APIError as e:
+        raise UsageError(f"--server {url}: cannot list its models ({_server_error(e)}); is it up? "
+                         "(or name the model with --server-model)") from None
+    if not models:
+        raise UsageError(f"--server {url}: serves no models; name one with --server-model")
+    return models[0].id
+
+
+# -- command line ---------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from gateway.cli import add_engine_arguments
+
+    p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text/markdown files, folders (searched recursively, see --glob), "
+                        ".jsonl files (see --text-field), or - for stdin (one document)")
+    p.add_argument("--schema", required=True, metavar="SCHEMA",
+                   help="JSON Schema file, module:PydanticModel or path/to/file.py:Model")
+    p.add_argument("--instructions", default=DEFAULT_INSTRUCTIONS,
+                   help="system instructions, sent before the schema (default: %(default)r)")
+    p.add_argument("-o", "--output", default=None, metavar="OUT.jsonl",
+                   help="write records here (default: stdout)")
+    p.add_argument("--resume", action="store_true",
+                   help="append to -o, skipping documents whose id it already holds")
+    p.add_argument("--glob", action="append", default=None, metavar="PATTERN",
+                   help=f"file pattern inside folders, repeatable (default: {' '.join(DEFAULT_GLOBS)})")
+    p.add_argument("--text-field", default="text", help="JSONL: field holding the text")
+    p.add_argument("--id-field", default=None, help="JSONL: field holding the id (default: PATH:LINE)")
+    p.add_argument("--max-tokens", type=int, default=512, help="per document (default: 512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--on-long", choices=("truncate", "skip"), default="truncate",
+                   help="a document whose prompt + --max-tokens exceeds the context: cut its end "
+                        "to fit (warning on stderr, \"truncated\": true in its record) or record "
+                        "it as failed (default: truncate; offline only)")
+    p.add_argument("--allow-failures", action="store_true",
+                   help="exit 0 even when some documents failed or were invalid")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--model", default=None,
+                       help="offline engine model: name, .gguf or HF folder (default: SmolLM2-135M-Instruct)")
+    where.add_argument("--server", default=None, metavar="URL",
+                       help="send to a running formwork serve / OpenAI-compatible server instead")
+    s = p.add_argument_group("--server")
+    s.add_argument("--api-key", default=os.environ.get("FORMWORK_API_KEY"),
+                   help="bearer key for --server (env FORMWORK_API_KEY)")
+    s.add_argument("--server-model", default=None, help="model name (default: the server's first)")
+    s.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: 16)")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    add_engine_arguments(p)
+
+
+def _prepare(args: argparse.Namespace) -> tuple[ExtractOptions, list[Document]]:
+    """Options and the documents still to do; every usage error surfaces here."""
+    for name in ("max_tokens", "concurrency"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')}: must be >= 1")
+    if args.resume and not args.output:
+        raise UsageError("--resume needs -o OUT.jsonl")
+    opts = ExtractOptions(schema=load_schema(args.schema), instructions=args.instructions,
+                          max_tokens=args.max_tokens, temperature=args.temperature,
+                          on_long=args.on_long)
+    try:
+        opts.sampling_params()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    docs = collect_documents(args.inputs, globs=tuple(args.glob or DEFAULT_GLOBS),
+                             text_field=args.text_field, id_field=args.id_field)
+    if args.resume:
+        done = done_ids(args.output)
+        docs = [d for d in docs if d.id not in done]
+    return opts, docs
+
+
+def _load_llm(args: argparse.Namespace, quiet: bool):
+    from gateway.cli import engine_config
+    from gateway.llm import LLM
+
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not quiet:
+        print(f"formwork extract: loading {args.model or 'the default model'} ...",
+              file=sys.stderr, flush=True)
+    return LLM(**dataclasses.asdict(config))
+
+
+def run(args: argparse.Namespace, *, llm=None) -> int:
+    """The `extract` subcommand; `llm` (an offline gateway.LLM) replaces --model."""
+    sink, summary = RecordSink(args.output, append=args.resume), Summary()
+
+    def emit(rec: dict) -> None:
+        sink.write(rec)
+        summary.add(rec)
+
+    try:
+        opts, docs = _prepare(args)
+        if not docs:
+            print("formwork extract: nothing to do (every document is already in the output)",
+                  file=sys.stderr)
+            return 0
+        if args.server:
+            t0 = time.perf_counter()
+            asyncio.run(extract_server(
+                docs, opts, emit, base_url=args.server, api_key=args.api_key,
+                model=args.server_model, concurrency=args.concurrency, timeout_s=args.timeout,
+                progress=not args.quiet))
+        else:
+            llm = llm if llm is not None else _load_llm(args, args.quiet)
+            if opts.max_tokens >= llm.engine.max_model_len:
+                raise UsageError(f"--max-tokens {opts.max_tokens} leaves no room for a prompt: "
+                                 f"max_model_len is {llm.engine.max_model_len}")
+            t0 = time.perf_counter()
+            for rec in extract_offline(llm, docs, opts, progress=not args.quiet):
+                emit(rec)
+    except UsageError as e:
+        print(f"formwork extract: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("formwork extract: interrupted; rerun with --resume to continue", file=sys.stderr)
+        return 130
+    finally:
+        sink.close()
+    print(f"formwork extract: {summary.line(time.perf_counter() - t0)}", file=sys.stderr)
+    return 0 if summary.ok == len(docs) or args.allow_failures else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="formwork extract")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
