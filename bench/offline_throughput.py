@@ -55,11 +55,16 @@ def run_formwork(args, reqs):
             "steps": stats.steps, "preemptions": stats.num_preemptions}
 
 
+def _device(args):
+    import torch
+    return torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+
+
 def run_hf(args, reqs, model_dir):
     import torch
     from transformers import AutoModelForCausalLM
     from gpu.executor import resolve_dtype
-    device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    device = _device(args)
     dtype = resolve_dtype(args.dtype, device)          # the same dtype formwork picked
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 2
@@ -117,8 +122,7 @@ def main(argv=None):
            "threads": torch.get_num_threads(), "dtype": args.dtype}
     if args.dtype == "auto":
         from gpu.executor import resolve_dtype
-        dev = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
-        res["dtype"] = args.dtype = str(resolve_dtype("auto", dev)).removeprefix("torch.")
+        res["dtype"] = args.dtype = str(resolve_dtype("auto", _device(args))).removeprefix("torch.")
     res["formwork"] = run_formwork(args, reqs)
     print(f"formwork: {res['formwork']}", file=sys.stderr, flush=True)
     if not args.skip_hf:

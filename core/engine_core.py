@@ -75,7 +75,12 @@ class EngineCore:
     # -- input -----------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         """Raises ValueError (naming the parameter) for a request it refuses."""
-        ids = req.prompt_token_ids
+        self.check_prompt(req.prompt_token_ids)
+        req.sampling_params.validate()
+        self.scheduler.add_request(Request.from_engine_request(req))
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """ValueError naming the parameter unless `ids` is a prompt this engine can serve."""
         if not ids:
             raise ValueError("prompt: must not be empty")
         if len(ids) >= self.max_model_len:
@@ -85,8 +90,6 @@ class EngineCore:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} outside [0, {self.vocab_size})")
-        req.sampling_params.validate()
-        self.scheduler.add_request(Request.from_engine_request(req))
 
     def abort_requests(self, request_ids) -> None:
         """Thread-safe: queued, applied at the next abort point of the engine thread."""

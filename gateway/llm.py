@@ -45,12 +45,6 @@ class LLM:
             return self._to_tokens(prompt["prompt"])
         raise ValueError("prompt: expected a string, {'prompt': str} or {'prompt_token_ids': [...]}")
 
-    def _check_fits(self, ids: list[int]) -> None:
-        limit = self.engine.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt: {len(ids)} tokens do not fit the context: "
-                             f"max_model_len is {limit} (prompt plus at least one generated token)")
-
     # -- generation -------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -69,7 +63,7 @@ class LLM:
         # validate everything before admitting anything: a bad prompt fails the call, not the engine
         tokenized = [self._to_tokens(p) for p in prompts]
         for (_, ids), p in zip(tokenized, params):
-            self._check_fits(ids)
+            self.engine.check_prompt(ids)
             p.validate()
         order = []
         for (text, ids), p in zip(tokenized, params):

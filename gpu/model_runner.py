@@ -109,7 +109,6 @@ class ModelRunner:
             return None
         inp = self._prepare(so)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        self._pending_req_ids = inp.sample_req_ids
         if not inp.sample_req_ids:
             return None
         return self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
