@@ -168,8 +168,17 @@ class XGrammarBackend(GrammarBackend):
     def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
                       rows: Sequence[int]) -> None:
         live, live_rows = [], []
+        # A matcher listed twice is filled once and its row copied: the batched
+        # fill runs matchers on several threads, and one matcher filled from two
+        # threads at once corrupts its parser state (xgrammar aborts or crashes).
+        first_row: dict[int, int] = {}
+        copies: list[tuple[int, int]] = []
         for m, row in zip(matchers, rows):
             assert isinstance(m, XGrammarMatcher)
+            if id(m) in first_row:
+                copies.append((first_row[id(m)], row))
+                continue
+            first_row[id(m)] = row
             if m.is_terminated():
                 m.fill_bitmask(bitmask, row)
             else:
@@ -180,3 +189,5 @@ class XGrammarBackend(GrammarBackend):
         else:
             for native, row in zip(live, live_rows):
                 native.fill_next_token_bitmask(bitmask, row)
+        for src, dst in copies:
+            bitmask[dst].copy_(bitmask[src])

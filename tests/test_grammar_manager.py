@@ -143,8 +143,25 @@ def test_bitmask_rows_match_per_request_matchers(manager, tokenizer):
         assert torch.equal(out[row], expect[0]), rid
     assert torch.nonzero(allowed_mask(out, 3, VOCAB)).flatten().tolist() == [eos]
     assert manager.fill_bitmask(["free"]) is None
-    big = manager.fill_bitmask(["j", "c"] * 40)       # grows the buffer; batched xgrammar fill
-    assert big.shape[0] == 80 and torch.equal(big[78], out[2]) and torch.equal(big[79], out[4])
+    j_row, c_row = out[2].clone(), out[4].clone()
+    # 80 distinct live xgrammar matchers: grows the buffer and takes the batched
+    # (multi-threaded) fill path; every row must equal its one-by-one fill.
+    many = []
+    for i in range(40):
+        manager.submit(f"j{i}", reqs["j"])
+        manager.submit(f"c{i}", reqs["c"])
+        many += [f"j{i}", f"c{i}"]
+    assert all(wait(manager, rid) == "ready" for rid in many)
+    for i in range(40):
+        assert manager.accept_tokens(f"j{i}", ids(tokenizer, '{"n":12,"s":"'))
+    big = manager.fill_bitmask(many)
+    assert big.shape[0] == 80
+    for row, rid in enumerate(many):
+        assert torch.equal(big[row], j_row if rid[0] == "j" else c_row), rid
+    # The same matcher listed many times (never two threads on one matcher).
+    dup = manager.fill_bitmask(["j", "c"] * 40)
+    for row in range(80):
+        assert torch.equal(dup[row], j_row if row % 2 == 0 else c_row), row
 
 
 def test_jump_forward_tokens_are_accepted_and_can_be_disabled(tokenizer):
