@@ -47,7 +47,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     block_size: int
     store_index: torch.Tensor | None  # [T'] int64 rows with slot >= 0; None = all rows
-    groups: list[AttnGroup]           # torch backend work split
+    groups: list[AttnGroup]           # torch backend work split ([] if built with_groups=False)
 
     @property
     def num_tokens(self) -> int:
@@ -55,11 +55,14 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device | str) -> "AttentionMetadata":
+              block_size: int, device: torch.device | str, *,
+              with_groups: bool = True) -> "AttentionMetadata":
         """Sequence i has `query_lens[i]` new tokens at positions
         `seq_lens[i]-query_lens[i] .. seq_lens[i]-1`; `block_tables[i]` must
         cover `seq_lens[i]` positions. A negative block id gives slot -1 (its
-        positions are not stored, and must not be attended)."""
+        positions are not stored, and must not be attended). `with_groups=False`
+        skips the torch backend's work split (`groups` stays empty) for backends
+        whose `needs_groups` is False."""
         n = len(query_lens)
         assert n == len(seq_lens) == len(block_tables) and n > 0
         q = np.asarray(query_lens, dtype=np.int64)
@@ -88,7 +91,7 @@ class AttentionMetadata:
             max_query_len=int(q.max()), max_seq_len=int(s.max()),
             query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), block_size=block_size,
             store_index=None if valid.all() else as_t(np.nonzero(valid)[0]),
-            groups=_build_groups(q, s, qsl, table, block_size, as_t),
+            groups=_build_groups(q, s, qsl, table, block_size, as_t) if with_groups else [],
         )
 
 
@@ -149,6 +152,7 @@ class AttentionBackend:
     sequence's paged context. Does not mutate q/k/v; writes k_cache/v_cache."""
 
     name = "base"
+    needs_groups = True   # reads `meta.groups` (AttentionMetadata.build(with_groups=...))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -174,6 +178,27 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self):
+        # Gathered K/V land in two reused buffers instead of fresh tensors: a
+        # fresh multi-MB tensor per layer costs page faults that, measured on
+        # CPU (32 decodes x 320 keys), tripled the gather time. Safe because
+        # one forward runs at a time and each gather is consumed by the SDPA
+        # call right after it.
+        self._workspace: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._workspace.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._workspace[name] = buf
+        return buf[:numel]
+
+    def _gather_kv(self, k_cache, v_cache, block_index):
+        """-> (k, v) views [P, KVH, nb*bs, D] into the workspace."""
+        numel = block_index.numel() * k_cache[0].numel()
+        return (_gather(k_cache, block_index, self._buffer("k", numel, k_cache)),
+                _gather(v_cache, block_index, self._buffer("v", numel, v_cache)))
+
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         store_kv(k, v, k_cache, v_cache, meta)
         t, h, d = q.shape
@@ -181,7 +206,8 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for g in meta.groups:
             if g.token_index is not None:
-                out.index_copy_(0, g.token_index, _decode(q, k_cache, v_cache, g, kvh, scale))
+                ks, vs = self._gather_kv(k_cache, v_cache, g.block_index)
+                out.index_copy_(0, g.token_index, _decode(q, ks, vs, g, kvh, scale))
                 continue
             qs = q[g.token_start:g.token_end].transpose(0, 1).unsqueeze(0)      # [1, H, q, D]
             if g.block_index is None:
@@ -190,28 +216,33 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                    enable_gqa=True)
             else:
-                ks, vs = _gather(k_cache, g.block_index), _gather(v_cache, g.block_index)
+                ks, vs = self._gather_kv(k_cache, v_cache, g.block_index)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=scale,
                                                    enable_gqa=True)
             out[g.token_start:g.token_end] = o[0].transpose(0, 1)
         return out
 
 
-def _gather(cache: torch.Tensor, block_index: torch.Tensor) -> torch.Tensor:
-    """cache [N, bs, KVH, D], block_index [P, nb] -> [P, KVH, nb*bs, D]."""
+def _gather(cache: torch.Tensor, block_index: torch.Tensor, out: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """cache [N, bs, KVH, D], block_index [P, nb] -> [P, KVH, nb*bs, D] (a view
+    of `out`, flat with P*nb*bs*KVH*D elements, when given)."""
     p, nb = block_index.shape
     n, bs, kvh, d = cache.shape
-    rows = cache.view(n, bs * kvh * d).index_select(0, block_index.view(-1))  # 2x faster than cache[idx]
+    flat = cache.view(n, bs * kvh * d)
+    if out is not None:
+        out = out.view(p * nb, bs * kvh * d)
+    rows = torch.index_select(flat, 0, block_index.view(-1), out=out)  # 2x faster than cache[idx]
     return rows.view(p, nb * bs, kvh, d).transpose(1, 2)
 
 
-def _decode(q, k_cache, v_cache, g: AttnGroup, kvh: int, scale: float) -> torch.Tensor:
-    """One query per sequence; the G query heads sharing a KV head are folded
-    into the query axis, so no K/V expansion is needed. Returns [P, H, D]."""
+def _decode(q, ks, vs, g: AttnGroup, kvh: int, scale: float) -> torch.Tensor:
+    """One query per sequence against its gathered ks/vs [P, KVH, L, D]; the G
+    query heads sharing a KV head are folded into the query axis, so no K/V
+    expansion is needed. Returns [P, H, D]."""
     p = g.token_index.shape[0]
     _, h, d = q.shape
     qg = q.index_select(0, g.token_index).view(p, kvh, h // kvh, d)          # [P, KVH, G, D]
-    ks, vs = _gather(k_cache, g.block_index), _gather(v_cache, g.block_index)
     o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=g.mask, scale=scale)
     return o.reshape(p, h, d)
 

@@ -1,0 +1,52 @@
+"""The torch attention backend (the CPU serving path) against the paged
+attention reference, including reuse of its gather workspace across calls of
+different shapes."""
+import torch
+
+from gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache
+from kernels.paged_attention import paged_attention_ref
+
+
+def _case(gen, query_lens, seq_lens, bs=8, heads=6, kv_heads=2, dim=16, num_blocks=64):
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for s in seq_lens:
+        n = -(-s // bs)
+        tables.append(perm[used:used + n])
+        used += n
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs, "cpu")
+    t = sum(query_lens)
+    q, k, v = (torch.randn(t, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    (kc, vc), = allocate_kv_cache(1, num_blocks, bs, kv_heads, dim, torch.float32, "cpu")
+    kc.copy_(torch.randn(kc.shape, generator=gen))
+    vc.copy_(torch.randn(vc.shape, generator=gen))
+    return meta, q, k, v, kc, vc
+
+
+def test_mixed_batches_match_reference_and_workspace_reuse_is_safe():
+    gen = torch.Generator().manual_seed(7)
+    backend = TorchAttentionBackend()
+    cases = [  # decodes of very different lengths (several groups), fresh and cached prefills
+        ([1, 1, 1, 1, 1, 7, 12], [3, 90, 95, 9, 160, 7, 40]),
+        ([1, 1], [200, 17]),               # bigger gather than the first case's groups
+        ([5, 1, 1, 1], [5, 2, 8, 16]),     # smaller: the workspace is reused, not regrown
+    ]
+    kept = []
+    for query_lens, seq_lens in cases:
+        meta, q, k, v, kc, vc = _case(gen, query_lens, seq_lens)
+        assert len([g for g in meta.groups if g.token_index is not None]) >= 1
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        out = backend.forward(q, k, v, kc, vc, meta, 0.3)
+        # the reference reads the cache after the same store
+        kc_ref.view(-1, k.shape[1], k.shape[2])[meta.slot_mapping] = k
+        vc_ref.view(-1, v.shape[1], v.shape[2])[meta.slot_mapping] = v
+        want = paged_attention_ref(q, kc_ref, vc_ref, meta.block_table, meta.query_start_loc,
+                                   meta.seq_lens, 0.3)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+        kept.append((out, out.clone()))
+    for out, snapshot in kept:   # outputs are not views of the reused workspace
+        assert torch.equal(out, snapshot)
+    decode_groups = [g for g in AttentionMetadata.build(
+        *cases[0], [list(range(i * 20, i * 20 + 20)) for i in range(7)], 8, "cpu").groups
+        if g.token_index is not None]
+    assert len(decode_groups) >= 2   # the first case really split decodes into padded groups
