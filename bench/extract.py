@@ -54,10 +54,12 @@ def invoice_doc(rng: random.Random) -> str:
 def run_mode(llm, docs, opts, batched: bool) -> dict:
     from gateway.extract import extract_offline
     t0 = time.perf_counter()
+    records: list[dict] = []
     if batched:
-        records = extract_offline(llm, docs, opts, progress=False)
+        extract_offline(llm, docs, opts, records.append, progress=False)
     else:
-        records = [r for d in docs for r in extract_offline(llm, [d], opts, progress=False)]
+        for d in docs:
+            extract_offline(llm, [d], opts, records.append, progress=False)
     dt = time.perf_counter() - t0
     out = sum(r["usage"]["completion_tokens"] for r in records)
     print(f"{'batched' if batched else 'one-by-one'}: {len(docs)} docs in {dt:.1f} s",

@@ -131,26 +131,31 @@ def _offline_prompt(llm, doc: Document, opts: ExtractOptions) -> tuple[list[dict
 
 
 # -- the two ways to run --------------------------------------------------
-def extract_offline(llm, docs: list[Document], opts: ExtractOptions, *,
-                    progress: bool = True) -> list[dict]:
-    """Records of `docs`, in order. Every document that is sent goes to
-    `llm.chat` in one call, so the engine batches them continuously."""
+def extract_offline(llm, docs: list[Document], opts: ExtractOptions, emit, *,
+                    progress: bool = True) -> None:
+    """Calls `emit(record)` for every document as soon as its record is known:
+    unsent ones (errors, skipped) first, then each sent one as it finishes, so
+    an interrupted run leaves its finished records behind for --resume. Every
+    document that is sent goes to `llm.chat` in one call, so the engine
+    batches them continuously."""
     validator = make_validator(opts.schema)
-    records: list[dict | None] = [None] * len(docs)
     convs, sent = [], []                    # sent[k]: (index in docs, truncated) of convs[k]
     for i, doc in enumerate(docs):
         prompt = make_record(doc, error=doc.error) if doc.error else _offline_prompt(llm, doc, opts)
         if isinstance(prompt, dict):
-            records[i] = prompt
+            emit(prompt)
         else:
             convs.append(prompt[0])
             sent.append((i, prompt[1]))
-    outs = llm.chat(convs, opts.sampling_params(), use_tqdm=progress) if convs else []
-    for (i, truncated), out in zip(sent, outs, strict=True):
+
+    def finished(k: int, out) -> None:
+        i, truncated = sent[k]
         c = out.outputs[0]
-        records[i] = judge(docs[i], c.text, c.finish_reason, validator, truncated=truncated,
-                           usage=(len(out.prompt_token_ids), len(c.token_ids)), error=c.error)
-    return records
+        emit(judge(docs[i], c.text, c.finish_reason, validator, truncated=truncated,
+                   usage=(len(out.prompt_token_ids), len(c.token_ids)), error=c.error))
+
+    if convs:
+        llm.chat(convs, opts.sampling_params(), use_tqdm=progress, on_finished=finished)
 
 
 def api_base(url: str) -> str:
@@ -329,8 +334,7 @@ def run(args: argparse.Namespace, *, llm=None) -> int:
                 raise UsageError(f"--max-tokens {opts.max_tokens} leaves no room for a prompt: "
                                  f"max_model_len is {llm.engine.max_model_len}")
             t0 = time.perf_counter()
-            for rec in extract_offline(llm, docs, opts, progress=not args.quiet):
-                emit(rec)
+            extract_offline(llm, docs, opts, emit, progress=not args.quiet)
     except UsageError as e:
         print(f"formwork extract: error: {e}", file=sys.stderr)
         return 2

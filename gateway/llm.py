@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from core.engine_core import EngineCore
 from gateway.output_processor import OutputProcessor, RequestOutput
@@ -48,7 +48,12 @@ class LLM:
     # -- generation -------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True,
+                 on_finished: Callable[[int, RequestOutput], None] | None = None
+                 ) -> list[RequestOutput]:
+        """Outputs in prompt order. `on_finished(i, output)` (optional) is called
+        as soon as prompt i finishes, in completion order, e.g. to write results
+        incrementally; an exception from it aborts the remaining requests."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -75,7 +80,7 @@ class LLM:
             except Exception:
                 self._abort(order)
                 raise
-        return self._run(order, use_tqdm)
+        return self._run(order, use_tqdm, on_finished)
 
     def _abort(self, rids: list[str]) -> None:
         engine_ids = [eid for rid in rids for eid in self._processor.abort_request(rid)]
@@ -83,8 +88,10 @@ class LLM:
         while self.engine.has_unfinished_requests():
             self.engine.step()
 
-    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, order: list[str], use_tqdm: bool,
+             on_finished: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
+        index = {rid: i for i, rid in enumerate(order)}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -103,6 +110,8 @@ class LLM:
                     if ro.finished:
                         finished[ro.request_id] = ro
                         n_out += sum(len(c.token_ids) for c in ro.outputs)
+                        if on_finished is not None:
+                            on_finished(index[ro.request_id], ro)
                         if bar is not None:
                             bar.update(1)
                             bar.set_postfix_str(f"out {n_out / (time.perf_counter() - t0):.1f} tok/s")
@@ -119,8 +128,10 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
-        """messages: one conversation (list of {"role", "content"}) or a list of them."""
+             tools: list[dict] | None = None,
+             on_finished: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """messages: one conversation (list of {"role", "content"}) or a list of them;
+        `on_finished` as in `generate`."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in convs:
@@ -130,7 +141,7 @@ class LLM:
             if isinstance(ids, dict):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, on_finished=on_finished)
 
     def get_stats(self):
         return self.engine.get_stats()

@@ -240,6 +240,44 @@ def test_folder_to_jsonl_then_resume(llm, tmp_path, schema_file, capsys):
     check_records(after, SCHEMA, set(DOCS) | {"c.txt"})
 
 
+class InterruptAfterFirst:
+    """Wraps the offline LLM: Ctrl-C arrives right after the first document finishes."""
+
+    def __init__(self, llm):
+        self._llm, self.engine, self.tokenizer = llm, llm.engine, llm.tokenizer
+        self.finished = 0
+
+    def chat(self, convs, params, *, on_finished, **kw):
+        def hook(i, out):
+            on_finished(i, out)
+            self.finished += 1
+            raise KeyboardInterrupt
+        return self._llm.chat(convs, params, on_finished=hook, **kw)
+
+
+@pytest.mark.slow
+def test_interrupted_run_keeps_finished_records_and_resumes(llm, tmp_path, schema_file, capsys):
+    docs = write_tree(tmp_path / "docs", {**DOCS, "c.txt": "Li Wei was born in Shanghai."})
+    out = tmp_path / "out.jsonl"
+    args = ("--schema", str(schema_file), str(docs), "-o", str(out), "--max-tokens",
+            str(MAX_TOKENS), "--quiet")
+    wrapped = InterruptAfterFirst(llm)
+    assert extract.run(parse(*args), llm=wrapped) == 130
+    assert "rerun with --resume" in capsys.readouterr().err
+    first = read_records(out)
+    assert wrapped.finished == 1 and len(first) == 1      # written before the others finished
+    check_records(first, SCHEMA, {first[0]["id"]})
+    # the aborted requests left nothing behind in the engine
+    kv = llm.engine.kv_manager
+    assert not llm.engine.has_unfinished_requests()
+    assert kv.usage == 0.0                  # every block free or cached
+    kv.check_invariants()
+    extract.run(parse(*args, "--resume"), llm=llm)
+    after = read_records(out)
+    assert after[0] == first[0] and len(after) == 3
+    check_records(after, SCHEMA, {"a.txt", "notes/b.md", "c.txt"})
+
+
 @pytest.mark.slow
 def test_pydantic_model_schema(llm, tmp_path):
     (tmp_path / "person_model.py").write_text(MODEL_FILE)
