@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One prepared check for a lent GPU (H200; under 8 minutes), results as markdown:
 #   1. torch + triton importable and CUDA visible (clear message if not)
-#   2. kernel tests on CUDA at real sizes, bf16 included (no interpreter)
+#   2. kernel tests on CUDA at real sizes, bf16 included (no interpreter), and
+#      tests/test_cuda_graph.py with real CUDA-graph capture of the decode step
 #   3. kernel timings: decode/prefill paged attention vs torch gather+SDPA,
 #      achieved K/V bandwidth vs the measured copy rate; bitmask apply at
 #      batch 1/64/512 vs xgrammar's apply and the torch implementation
-#   4. bench/offline_throughput.py and bench/structured_overhead.py with
+#   4. bench/offline_throughput.py, bench/structured_overhead.py and
+#      bench/gpu/decode_graphs.py (decode tok/s, CUDA graphs vs eager) with
 #      --device cuda, on a random-weight copy of the default model
 # Nothing is downloaded. Packages the GPU image lacks and the model's config and
 # tokenizer come from $GPU_CARRY (default .gpu_carry/, filled beforehand by
@@ -67,11 +69,11 @@ else:
 PY
 
 # -- 2. kernel tests
-TESTS="tests/test_kernels_bitmask.py tests/test_kernels_kv_store.py tests/test_kernels_paged_attention.py tests/test_kernels_engine.py"
+TESTS="tests/test_kernels_bitmask.py tests/test_kernels_kv_store.py tests/test_kernels_paged_attention.py tests/test_kernels_engine.py tests/test_cuda_graph.py"
 if [ $DRY = 1 ]; then
   run_step "kernel tests (interpreter subset)" 300 env TRITON_INTERPRET=1 "$PY" -m pytest $TESTS \
     -q -p no:cacheprovider -m "not slow" \
-    -k "hand_example or dispatch or int32_slots or test_dtypes or decode_only or backend_matches"
+    -k "hand_example or dispatch or int32_slots or test_dtypes or decode_only or backend_matches or graph_rows or padded_size"
 else
   run_step "kernel tests (CUDA)" 180 "$PY" -m pytest $TESTS -q -p no:cacheprovider -m "not slow"
 fi
@@ -82,7 +84,7 @@ BENCH_ARGS=(--json "$OUTDIR/kernels.json")
 run_step "kernel timings" 240 "$PY" bench/gpu/kernel_bench.py "${BENCH_ARGS[@]}"
 
 # -- 4. engine benchmarks
-ENGINE_BENCHES="offline_throughput structured_overhead"
+ENGINE_BENCHES="offline_throughput structured_overhead gpu/decode_graphs"
 if [ $DRY = 1 ]; then
   for b in $ENGINE_BENCHES; do
     if [ -f "bench/$b.py" ]; then run_step "$b (--help only)" 60 "$PY" "bench/$b.py" --help

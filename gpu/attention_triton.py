@@ -17,6 +17,7 @@ class TritonAttentionBackend(AttentionBackend):
     block_table, query_start_loc, seq_lens), never its torch-path groups."""
 
     name = "triton"
+    needs_groups = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,

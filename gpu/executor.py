@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.attention import allocate_kv_cache, get_attention_backend, kv_cache_bytes_per_block
+from gpu.cuda_graph import DecodeGraphRunner, GraphFactory, capture_sizes, pick_graph_factory
 from gpu.loader import load_model
 from gpu.model import ModelConfig
 from gpu.model_runner import ModelRunner
@@ -35,7 +36,8 @@ class ExecutorInfo:
     device: str
     dtype: str
     attention_backend: str
-    load_seconds: float
+    load_seconds: float                       # including CUDA-graph capture
+    cuda_graph_sizes: tuple[int, ...] = ()    # decode batch sizes replayed as graphs; () = eager only
 
 
 def cpu_has_native_bf16() -> bool:
@@ -76,8 +78,23 @@ def _num_blocks(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
     return max(2, budget // per_block)
 
 
+def _capture_decode_graphs(config: EngineConfig, model, kv, max_len: int, device: torch.device,
+                           factory: GraphFactory) -> DecodeGraphRunner:
+    graphs = DecodeGraphRunner(model, kv, sizes=capture_sizes(config.max_num_seqs),
+                               block_size=config.block_size,
+                               max_blocks_per_seq=-(-max_len // config.block_size),
+                               device=device, factory=factory)
+    t0 = time.perf_counter()
+    graphs.capture()
+    log.info("captured decode graphs for batch sizes %s in %.2fs", graphs.sizes, time.perf_counter() - t0)
+    return graphs
+
+
 class Executor:
-    def __init__(self, config: EngineConfig, model_dir):
+    def __init__(self, config: EngineConfig, model_dir, *, graph_factory: GraphFactory | None = None):
+        """graph_factory: tests only, stands in for CUDA-graph capture on any device
+        (see gpu/cuda_graph.py); by default graphs are captured on CUDA with the
+        Triton backend unless config.enforce_eager."""
         t0 = time.perf_counter()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -97,10 +114,19 @@ class Executor:
         num_blocks = _num_blocks(config, mcfg, dtype, self.device)
         kv = allocate_kv_cache(mcfg.num_hidden_layers, num_blocks, config.block_size,
                                mcfg.num_key_value_heads, mcfg.head_dim, dtype, self.device)
-        self.runner = ModelRunner(model, kv, block_size=config.block_size, device=self.device)
+        factory = pick_graph_factory(self.device.type, backend.needs_groups, config.enforce_eager,
+                                     graph_factory)
+        graphs = None if factory is None else _capture_decode_graphs(
+            config, model, kv, max_len, self.device, factory)
+        if graphs is None:
+            log.info("decode graphs: off (device %s, attention %s, enforce_eager %s)",
+                     self.device.type, backend_name, config.enforce_eager)
+        self.runner = ModelRunner(model, kv, block_size=config.block_size, device=self.device,
+                                  graphs=graphs)
         self.info = ExecutorInfo(num_blocks, max_len, mcfg.vocab_size, str(self.device),
                                  str(dtype).removeprefix("torch."),
-                                 backend_name, time.perf_counter() - t0)
+                                 backend_name, time.perf_counter() - t0,
+                                 tuple(graphs.sizes) if graphs is not None else ())
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="formwork-forward")
         self._inflight: tuple[SchedulerOutput, cf.Future] | None = None
         self.timings: dict[str, float] = {}   # last step: submitted/forward_start/forward_end (perf_counter)

@@ -9,11 +9,13 @@ scheduled this step). Requests in `finished_req_ids` are dropped.
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 import torch
 
 from gpu.attention import AttentionMetadata
+from gpu.cuda_graph import DecodeGraphRunner
 from gpu.sampler import Sampler, SamplingBatch
 from schemas.sampling import SamplingParams
 from schemas.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -33,9 +35,12 @@ class _ReqState:
 
 @dataclass(slots=True)
 class _StepInputs:
-    input_ids: torch.Tensor        # [T] int64
-    positions: torch.Tensor        # [T] int64
-    meta: AttentionMetadata
+    """Host-side flat batch; the forward path (graph or eager) builds the tensors."""
+    input_ids: list[int]           # [T] new tokens, sequences contiguous
+    positions: list[int]           # [T]
+    query_lens: list[int]          # [num_seqs]
+    seq_lens: list[int]            # [num_seqs] context incl. new tokens
+    block_tables: list[list[int]]  # [num_seqs][blocks] (the requests' own lists: do not mutate)
     sample_rows: torch.Tensor      # [S] int64: flat index of the last token of each sampled req
     sample_req_ids: list[str]
 
@@ -46,8 +51,11 @@ def _token_seed(seed: int, output_index: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches, *, block_size: int, device: torch.device):
+    def __init__(self, model, kv_caches, *, block_size: int, device: torch.device,
+                 graphs: DecodeGraphRunner | None = None):
         self.model = model
+        self.graphs = graphs            # captured decode graphs; None -> every step eager
+        self.step_paths: collections.Counter[str] = collections.Counter()  # "graph" / "eager" forwards
         self.kv_caches = kv_caches      # list per layer of (k_cache, v_cache)
         self.block_size = block_size
         self.device = device
@@ -90,15 +98,26 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(st.block_ids)
             last_row[rid] = len(ids) - 1
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         rows = [last_row[r] for r in so.sampling_req_ids]
         return _StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta=meta,
+            input_ids=ids, positions=positions, query_lens=query_lens, seq_lens=seq_lens,
+            block_tables=tables,
             sample_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
             sample_req_ids=list(so.sampling_req_ids),
         )
+
+    def _forward(self, inp: _StepInputs) -> torch.Tensor:
+        """hidden [T, hidden]: replay of a captured decode graph when one fits
+        (pure decode, batch <= largest capture size), else the eager forward."""
+        if self.graphs is not None and self.graphs.fits(inp.query_lens, inp.seq_lens):
+            self.step_paths["graph"] += 1
+            return self.graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables)
+        self.step_paths["eager"] += 1
+        meta = AttentionMetadata.build(inp.query_lens, inp.seq_lens, inp.block_tables, self.block_size,
+                                       self.device, with_groups=self.model.attn_backend.needs_groups)
+        ids = torch.tensor(inp.input_ids, dtype=torch.int64, device=self.device)
+        positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
+        return self.model(ids, positions, self.kv_caches, meta)
 
     # -- forward ---------------------------------------------------------
     @torch.inference_mode()
@@ -108,7 +127,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return None
         inp = self._prepare(so)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        hidden = self._forward(inp)
         if not inp.sample_req_ids:
             return None
         return self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
