@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
-from schemas.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
+from schemas.engine import (EngineCoreOutput, EngineCoreRequest, FinishReason, PromptLogprobs,
+                            TokenLogprobs)
 from schemas.sampling import SamplingParams
 
 
@@ -33,6 +34,19 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's entry in a prompt_logprobs dict (vLLM's shape)."""
+    logprob: float
+    rank: int | None = None           # 1-based rank in the vocabulary
+    decoded_token: str | None = None
+
+
+# per prompt position: None for the first token, then {token_id: Logprob} holding the
+# prompt token itself and the top-k (a token in both appears once)
+PromptLogprobsList = list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -40,6 +54,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class _Detok:
@@ -97,6 +112,7 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[_Child] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 def child_id(request_id: str, index: int, n: int) -> str:
@@ -108,6 +124,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Child] = {}
+        self._token_text: dict[int, str] = {}
 
     def __len__(self) -> int:
         return len(self._parents)
@@ -166,7 +183,26 @@ class OutputProcessor:
             out.finish_reason, out.stop_reason = eo.finish_reason.value, eo.stop_reason
             out.error = eo.error
         child.parent.num_cached_tokens = max(child.parent.num_cached_tokens, eo.num_cached_tokens)
+        # every child scores the prompt (so each one's first output carries it); the first kept
+        if eo.prompt_logprobs is not None and child.parent.prompt_logprobs is None:
+            child.parent.prompt_logprobs = self._prompt_logprobs(eo.prompt_logprobs)
         return stop_hit is not None and eo.finish_reason is None
+
+    def _text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False)
+        return text
+
+    def _prompt_logprobs(self, entries: list[PromptLogprobs]) -> PromptLogprobsList:
+        out: PromptLogprobsList = [None]
+        for e in entries:
+            d = {e.token.token_id: Logprob(e.token.logprob, e.rank, self._text(e.token.token_id))}
+            for rank, a in enumerate(e.top, 1):
+                d.setdefault(a.token_id, Logprob(a.logprob, rank, self._text(a.token_id)))
+            out.append(d)
+        return out
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (request outputs with deltas, engine request ids to abort)."""
@@ -201,4 +237,4 @@ class OutputProcessor:
         if finished:
             self.abort_request(parent.request_id)   # forget it
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
-                             finished, parent.num_cached_tokens)
+                             finished, parent.num_cached_tokens, parent.prompt_logprobs)

@@ -86,7 +86,8 @@ def context_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_tokens: int,
                     logprobs: int | None, structured: StructuredOutputsParams | None,
-                    rename: dict[str, str] | None = None) -> SamplingParams:
+                    rename: dict[str, str] | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """Build SamplingParams; its ValueError "param: msg" becomes a 400 on the request field
     (`rename` maps engine names to request names, e.g. logprobs -> top_logprobs)."""
     fields = {k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}
@@ -94,6 +95,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_token
         fields["stop"] = [fields["stop"]]
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs,
                               structured_outputs=structured, **fields)
     except ValueError as e:
         text = str(e)
@@ -102,6 +104,15 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_token
             text = rename[param] + text[len(param):]
             param = rename[param]
         raise bad_request(text, param=param) from None
+
+
+def explicit_prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """vLLM's `prompt_logprobs` extra field: refused with stream (as vLLM, when > 0)."""
+    n = req.prompt_logprobs
+    if n is not None and req.stream and n > 0:
+        raise bad_request("prompt_logprobs: are not available when stream is true",
+                          param="prompt_logprobs")
+    return n
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:

@@ -14,10 +14,12 @@ from gateway.chat import build_chat_prompt
 from gateway.errors import APIError
 from gateway.metrics import RequestTimer
 from gateway.output_processor import CompletionOutput, RequestOutput
-from gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens, sampling_params,
-                            structured_from_request, validate_constraint)
+from gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens,
+                            explicit_prompt_logprobs, sampling_params, structured_from_request,
+                            validate_constraint)
 from gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
+from gateway.serving_completion import prompt_logprobs_field
 from gateway.tools import (ToolMode, ToolStreamParser, finish_reason_with_tools,
                            parse_tool_output, resolve_tool_mode, tool_constraint)
 from schemas.engine import TokenLogprobs
@@ -51,7 +53,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     requested, max_param = chat_max_tokens(req)
     max_tokens = context_max_tokens(len(ids), requested, state.max_model_len, "messages")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=chat_logprobs(req),
-                             structured=structured,
+                             structured=structured, prompt_logprobs=explicit_prompt_logprobs(req),
                              rename={"max_tokens": max_param, "logprobs": "top_logprobs"})
     return PreparedChat(model, prompt, ids, params, mode, source)
 
@@ -104,7 +106,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     text = TokenText(state.tokenizer)
     resp = ChatCompletionResponse(id=request_id, model=prep.model,
                                   choices=[_choice(c, prep.mode, text) for c in final.outputs],
-                                  usage=_usage(len(prep.prompt_ids), final))
+                                  usage=_usage(len(prep.prompt_ids), final),
+                                  prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs))
     return JSONResponse(resp.model_dump(mode="json"))
 
 

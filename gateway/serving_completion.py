@@ -1,4 +1,11 @@
-"""POST /v1/completions: one or more prompts -> choices (index = prompt_i * n + j)."""
+"""POST /v1/completions: one or more prompts -> choices (index = prompt_i * n + j).
+
+As vLLM: `echo` with `logprobs` returns the prompt tokens' logprobs before the
+generated ones (the first prompt token has none), `max_tokens=0` with `echo`
+scores the prompt without generating, `prompt_logprobs` (extra field) returns
+vLLM's per-position dicts, and `best_of` > n generates best_of candidates and
+returns the n with the highest cumulative logprob (not with stream).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -12,14 +19,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.errors import APIError, bad_request
 from gateway.metrics import RequestTimer
-from gateway.output_processor import CompletionOutput, RequestOutput
-from gateway.params import (context_max_tokens, sampling_params, structured_from_request,
-                            validate_constraint)
+from gateway.output_processor import CompletionOutput, PromptLogprobsList, RequestOutput
+from gateway.params import (context_max_tokens, explicit_prompt_logprobs, sampling_params,
+                            structured_from_request, validate_constraint)
 from gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
 from schemas.engine import TokenLogprobs
 from schemas.openai import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                            CompletionResponse, UsageInfo, random_id)
+                            CompletionResponse, PromptLogprob, UsageInfo, random_id)
 from schemas.sampling import SamplingParams
 
 
@@ -29,6 +36,11 @@ class PreparedCompletion:
     prompts: list[tuple[str | None, list[int]]]     # (text, token ids) per prompt
     params: list[SamplingParams]                      # per prompt (max_tokens may differ)
     source: str | None                                # request field of the constraint
+    n: int = 1                                        # choices returned per prompt
+    best_of: int = 1                                  # candidates generated per prompt (>= n)
+    echo: bool = False
+    logprobs: int | None = None                       # as asked (the engine may compute more)
+    show_prompt_logprobs: bool = False                # `prompt_logprobs` field in the choices
 
 
 def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
@@ -58,11 +70,20 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     model = state.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix: is not supported", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of: only best_of == n is supported", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo: prompt logprobs are not supported; drop echo or logprobs",
-                          param="echo")
+    best_of = req.n if req.best_of is None else req.best_of
+    if best_of < req.n:
+        raise bad_request(f"best_of: must be >= n ({req.n}), got {best_of}", param="best_of")
+    if best_of > req.n and req.stream:
+        raise bad_request("best_of: cannot be used with stream (the best candidates are known "
+                          "only at the end); drop best_of or stream", param="best_of")
+    shown_plp = explicit_prompt_logprobs(req)
+    if shown_plp is None and req.echo:
+        shown_plp = req.logprobs              # echo + logprobs scores the prompt (vLLM)
+    engine_plp = shown_plp
+    if engine_plp is None and req.echo and req.max_tokens == 0:
+        engine_plp = 0                        # echo only: the engine runs max_tokens=0 as scoring
+    # best_of ranks candidates by cumulative logprob: the chosen tokens' logprobs are needed
+    engine_lp = req.logprobs if req.logprobs is not None or best_of == req.n else 0
     structured, source = structured_from_request(req)
     if structured is not None:
         await asyncio.to_thread(validate_constraint, structured, source,
@@ -70,15 +91,24 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     prompts = _prompts(state, req.prompt)
     params = [sampling_params(req, max_tokens=context_max_tokens(
                   len(ids), req.max_tokens, state.max_model_len, "prompt"),
-                  logprobs=req.logprobs, structured=structured) for _, ids in prompts]
-    return PreparedCompletion(model, prompts, params, source)
+                  logprobs=engine_lp, prompt_logprobs=engine_plp, structured=structured)
+              for _, ids in prompts]
+    if best_of != req.n:
+        params = [p.clone(n=best_of) for p in params]
+    return PreparedCompletion(model, prompts, params, source, req.n, best_of, req.echo,
+                              req.logprobs, shown_plp is not None)
 
 
-def completion_logprobs(lps: list[TokenLogprobs] | None, text: TokenText,
-                        offset: int) -> CompletionLogprobs | None:
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0)          # -inf is not JSON (as vLLM)
+
+
+def completion_logprobs(lps: list[TokenLogprobs] | None, text: TokenText, offset: int,
+                        out: CompletionLogprobs | None = None) -> CompletionLogprobs | None:
+    """Appends the generated tokens' logprobs (text offsets from `offset`) to `out`."""
     if lps is None:
-        return None
-    out = CompletionLogprobs()
+        return out
+    out = out if out is not None else CompletionLogprobs()
     for lp in lps:
         token = text(lp.chosen.token_id)
         out.tokens.append(token)
@@ -89,6 +119,31 @@ def completion_logprobs(lps: list[TokenLogprobs] | None, text: TokenText,
     return out
 
 
+def echo_logprobs(ids: list[int], plps: PromptLogprobsList | None,
+                  text: TokenText) -> CompletionLogprobs:
+    """The prompt tokens as legacy completion logprobs: the first one (and any position
+    not scored) has null logprob; top_logprobs holds the prompt token and the top-k."""
+    out, offset = CompletionLogprobs(), 0
+    for tid, d in zip(ids, plps or [None] * len(ids)):
+        token = text(tid)
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+        out.token_logprobs.append(_clamp(d[tid].logprob) if d else None)
+        out.top_logprobs.append({text(t): _clamp(lp.logprob) for t, lp in d.items()} if d else None)
+    return out
+
+
+def prompt_logprobs_field(plps: PromptLogprobsList | None):
+    """The engine's prompt logprobs as vLLM's response field (token id -> entry)."""
+    if plps is None:
+        return None
+    return [None if d is None else
+            {t: PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
+                              decoded_token=lp.decoded_token) for t, lp in d.items()}
+            for d in plps]
+
+
 def _usage(prep: PreparedCompletion, finals: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(ids) for _, ids in prep.prompts)
     completion = sum(len(c.token_ids) for ro in finals for c in ro.outputs)
@@ -96,11 +151,28 @@ def _usage(prep: PreparedCompletion, finals: list[RequestOutput]) -> UsageInfo:
                      total_tokens=prompt + completion)
 
 
-def _choice(i: int, n: int, c: CompletionOutput, echo: str | None, text: TokenText):
-    prefix = echo or ""
-    return CompletionChoice(index=i * n + c.index, text=prefix + c.text,
-                            logprobs=completion_logprobs(c.logprobs, text, len(prefix)),
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+def _best(prep: PreparedCompletion, outputs: list[CompletionOutput]) -> list[CompletionOutput]:
+    """best_of: the n candidates with the highest cumulative logprob, best first."""
+    if prep.best_of == prep.n:
+        return outputs
+    return sorted(outputs, key=lambda c: c.cumulative_logprob, reverse=True)[:prep.n]
+
+
+def _choices(prep: PreparedCompletion, i: int, ro: RequestOutput,
+             text: TokenText) -> list[CompletionChoice]:
+    prompt_text, prompt_ids = prep.prompts[i]
+    prefix = (prompt_text or "") if prep.echo else ""
+    plp_field = prompt_logprobs_field(ro.prompt_logprobs) if prep.show_prompt_logprobs else None
+    choices = []
+    for j, c in enumerate(_best(prep, ro.outputs)):
+        lp = None
+        if prep.logprobs is not None:
+            head = echo_logprobs(prompt_ids, ro.prompt_logprobs, text) if prep.echo else None
+            lp = completion_logprobs(c.logprobs, text, len(prefix), head)
+        choices.append(CompletionChoice(
+            index=i * prep.n + j, text=prefix + c.text, logprobs=lp,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=plp_field))
+    return choices
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
@@ -116,9 +188,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         finals = await run_until_disconnect(asyncio.gather(*runs), raw)
     except APIError as e:
         raise blame(e, prep.source) from None
-    text, n = TokenText(state.tokenizer), req.n
-    choices = [_choice(i, n, c, prep.prompts[i][0] if req.echo else None, text)
-               for i, ro in enumerate(finals) for c in ro.outputs]
+    text = TokenText(state.tokenizer)
+    choices = [c for i, ro in enumerate(finals) for c in _choices(prep, i, ro, text)]
     resp = CompletionResponse(id=request_id, model=prep.model, choices=choices,
                               usage=_usage(prep, finals))
     return JSONResponse(resp.model_dump(mode="json"))
@@ -160,7 +231,7 @@ async def _merged(state: ServerState, prep: PreparedCompletion,
 
 async def _stream(state: ServerState, prep: PreparedCompletion, request_id: str, echo: bool,
                   include_usage: bool) -> AsyncIterator[str]:
-    created, n, text = int(time.time()), prep.params[0].n, TokenText(state.tokenizer)
+    created, n, text = int(time.time()), prep.n, TokenText(state.tokenizer)
     finals: dict[int, RequestOutput] = {}
     echoed: set[int] = set()
     offsets: dict[int, int] = {}
@@ -177,13 +248,17 @@ async def _stream(state: ServerState, prep: PreparedCompletion, request_id: str,
             async for i, ro in merged:
                 for c in ro.outputs:
                     idx = i * n + c.index
-                    delta = c.delta_text
+                    delta, head, start = c.delta_text, None, offsets.get(idx, 0)
                     if echo and idx not in echoed:
                         echoed.add(idx)
-                        delta = (prep.prompts[i][0] or "") + delta
+                        prompt_text, prompt_ids = prep.prompts[i]
+                        delta = (prompt_text or "") + delta
+                        start += len(prompt_text or "")
+                        if prep.logprobs is not None:
+                            head = echo_logprobs(prompt_ids, ro.prompt_logprobs, text)
                     if not delta and c.finish_reason is None and not c.delta_token_ids:
                         continue
-                    lp = completion_logprobs(c.delta_logprobs, text, offsets.get(idx, 0))
+                    lp = completion_logprobs(c.delta_logprobs, text, start, head)
                     offsets[idx] = offsets.get(idx, 0) + len(delta)
                     yield chunk([{"index": idx, "text": delta,
                                   "logprobs": lp.model_dump(mode="json") if lp else None,

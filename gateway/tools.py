@@ -10,10 +10,15 @@ tool_choice  | constraint on the output                     | parsed as
 "none"       | none (tools are left out of the prompt)      | plain content
 "auto"       | structural tag: free text; after the trigger | content + every closed
              | `<tool_call>` the call is forced to a known  | <tool_call> segment
-             | name and arguments valid for its parameters  |
+             | name and arguments valid for its parameters; |
+             | without parallel calls the output ends after |
+             | the first call (xgrammar's stop_after_first) |
 "required"   | JSON: one {"name", "arguments"} object (any  | the JSON value
              | tool), or an array of them if parallel       |
 named        | JSON: that function's parameters schema      | arguments = the output
+
+`parallel_tool_calls=false` is enforced by the grammar in auto and required
+modes: at most one call can be generated, none is dropped afterwards.
 """
 from __future__ import annotations
 
@@ -83,12 +88,19 @@ def tool_constraint(mode: ToolMode) -> StructuredOutputsParams | None:
         schema = {"type": "array", "items": one, "minItems": 1} if mode.parallel else one
         return StructuredOutputsParams(json=schema)
     if mode.kind == "auto" and mode.tools:
-        structures = [{"begin": f'{TOOL_CALL_OPEN}\n{{"name": "{t.name}", "arguments": ',
-                       "schema": parameters_schema(t), "end": f"}}\n{TOOL_CALL_CLOSE}"}
-                      for t in mode.tools]
-        return StructuredOutputsParams(
-            structural_tag={"triggers": [TOOL_CALL_OPEN], "structures": structures})
+        return StructuredOutputsParams(structural_tag=_auto_tag(mode))
     return None
+
+
+def _auto_tag(mode: ToolMode) -> dict:
+    """xgrammar structural tag: free text, each `<tool_call>` forced into a valid call;
+    stop_after_first ends the output after one call when calls are not parallel."""
+    tags = [{"type": "tag", "begin": f'{TOOL_CALL_OPEN}\n{{"name": "{t.name}", "arguments": ',
+             "content": {"type": "json_schema", "json_schema": parameters_schema(t)},
+             "end": f"}}\n{TOOL_CALL_CLOSE}"} for t in mode.tools]
+    return {"type": "structural_tag",
+            "format": {"type": "triggered_tags", "triggers": [TOOL_CALL_OPEN], "tags": tags,
+                       "at_least_one": False, "stop_after_first": not mode.parallel}}
 
 
 def _compact(value) -> str:

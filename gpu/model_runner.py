@@ -16,7 +16,7 @@ import torch
 
 from gpu.attention import AttentionMetadata
 from gpu.cuda_graph import DecodeGraphRunner
-from gpu.sampler import Sampler, SamplingBatch
+from gpu.sampler import Sampler, SamplingBatch, score_prompt
 from schemas.sampling import SamplingParams
 from schemas.scheduler import ModelRunnerOutput, SchedulerOutput
 
@@ -61,6 +61,8 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.requests: dict[str, _ReqState] = {}
+        self._plp_prompts: dict[str, list[int]] = {}   # prompts still to score (prompt_logprobs)
+        self._plp_step: tuple[SchedulerOutput, dict] | None = None
 
     # -- state -----------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -128,6 +130,7 @@ class ModelRunner:
             return None
         inp = self._prepare(so)
         hidden = self._forward(inp)
+        self._plp_step = (so, self._prompt_logprobs(so, hidden))
         if not inp.sample_req_ids:
             return None
         return self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
@@ -136,15 +139,44 @@ class ModelRunner:
     def sample(self, so: SchedulerOutput, logits: torch.Tensor | None,
                bitmask: torch.Tensor | None) -> ModelRunnerOutput:
         req_ids = list(so.sampling_req_ids)
+        step, self._plp_step = self._plp_step, None
+        plp = step[1] if step is not None and step[0] is so and step[1] else None
         if logits is None or not req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=plp)
         rows = None
         if bitmask is not None:
             pos = {r: i for i, r in enumerate(req_ids)}
             rows = torch.tensor([pos[r] for r in so.structured_req_ids], dtype=torch.int64)
         batch = self._sampling_batch(req_ids)
         out = self.sampler(logits, batch, bitmask, rows)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=out.token_ids, logprobs=out.logprobs)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=out.token_ids, logprobs=out.logprobs,
+                                 prompt_logprobs=plp)
+
+    def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor) -> dict:
+        """req_id -> (p, entries) for the prompt positions p.. computed this step by requests
+        with prompt_logprobs (see ModelRunnerOutput). Only their rows reach the lm_head.
+        hidden: [T, H], rows in num_scheduled_tokens order (as _prepare packs them)."""
+        for rid in so.finished_req_ids:
+            self._plp_prompts.pop(rid, None)
+        for nr in so.new_reqs:   # resumed after outputs: the prompt was scored already
+            if nr.sampling_params.prompt_logprobs is not None and not nr.output_token_ids:
+                self._plp_prompts[nr.req_id] = list(nr.prompt_token_ids)
+        out, row = {}, 0
+        if not self._plp_prompts:
+            return out
+        for rid, n in so.num_scheduled_tokens.items():
+            prompt = self._plp_prompts.get(rid)
+            if prompt is not None:
+                start = self.requests[rid].num_computed_tokens
+                end = min(start + n, len(prompt) - 1)   # position p predicts prompt[p + 1]
+                if end > start:
+                    out[rid] = (start, score_prompt(
+                        self.model.compute_logits, hidden[row:row + end - start],
+                        prompt[start + 1:end + 1], self.requests[rid].params.prompt_logprobs))
+                if start + n >= len(prompt) - 1:
+                    del self._plp_prompts[rid]
+            row += n
+        return out
 
     def _sampling_batch(self, req_ids: list[str]) -> SamplingBatch:
         states = [self.requests[r] for r in req_ids]

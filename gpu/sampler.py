@@ -5,6 +5,7 @@ Order matters: the grammar mask is applied first, so that neither logprobs nor
 any sampling step can ever see (or pick) a token the grammar forbids.
 Per-request seeds are reproducible regardless of batch composition: a seeded
 row draws its noise from its own torch.Generator, one draw per sampled token.
+`score_prompt` computes prompt logprobs (vLLM's prompt_logprobs) on raw logits.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.bitmask import apply_bitmask
+from schemas.engine import Logprob, PromptLogprobs
 
 
 @dataclass(slots=True)
@@ -145,3 +147,28 @@ class Sampler:
             chosen = torch.where(batch.temperature > 0, sampled, greedy)
         logprobs = _logprobs(logits, chosen, batch) if batch.max_num_logprobs is not None else None
         return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs)
+
+
+def score_prompt(logits_fn, hidden: torch.Tensor, targets: list[int], k: int,
+                 rows_per_chunk: int = 256) -> list[PromptLogprobs]:
+    """Prompt logprobs of one request's rows. hidden: [R, H], row r predicts targets[r].
+
+    logits_fn maps [r, H] -> [r, V] float32 (the model's lm_head); it runs on at most
+    rows_per_chunk rows at a time so a long prompt never holds [R, V] at once.
+    Each entry: the target's logprob and 1-based rank (1 + tokens strictly more
+    likely), and the top-k (token id, logprob), best first. log_softmax in float32.
+    """
+    assert hidden.shape[0] == len(targets), (hidden.shape, len(targets))
+    out: list[PromptLogprobs] = []
+    tgt_all = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
+    for lo in range(0, len(targets), rows_per_chunk):
+        logp = logits_fn(hidden[lo:lo + rows_per_chunk]).float().log_softmax(-1)   # [r, V]
+        tgt = tgt_all[lo:lo + rows_per_chunk, None]
+        tgt_lp = logp.gather(1, tgt)                                               # [r, 1]
+        ranks = (logp > tgt_lp).sum(-1) + 1
+        top_vals, top_idx = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], tgt[:, :0])
+        for t, lp, rank, ids, vals in zip(tgt[:, 0].tolist(), tgt_lp[:, 0].tolist(), ranks.tolist(),
+                                          top_idx.tolist(), top_vals.tolist()):
+            out.append(PromptLogprobs(Logprob(t, lp), rank,
+                                      [Logprob(i, v) for i, v in zip(ids, vals)]))
+    return out

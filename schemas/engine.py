@@ -48,10 +48,20 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top: list[Logprob]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """One prompt token's logprob given the tokens before it, its 1-based rank in
+    the vocabulary, and the top-k tokens at that position (best first)."""
+    token: Logprob
+    rank: int
+    top: list[Logprob]
+
+
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    # once, with the first output after the prefill: prompt tokens 1.. (token 0 has none)
+    prompt_logprobs: list[PromptLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -2,7 +2,7 @@
 
 Requests ignore unknown fields, as OpenAI does. Fields beyond OpenAI's follow
 vLLM's names: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids,
-ignore_eos, structured_outputs (and the older guided_* aliases).
+ignore_eos, prompt_logprobs, structured_outputs (and the older guided_* aliases).
 Mapping to engine types lives in `gateway/params.py`; this module only
 describes the wire format.
 """
@@ -112,6 +112,7 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = None
     user: str | None = None
 
 
@@ -167,6 +168,16 @@ class ResponseMessage(_Response):
     tool_calls: list[ToolCall] = []
 
 
+class PromptLogprob(_Response):
+    """vLLM's prompt_logprobs entry; the response maps token id -> this, per prompt position."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
 class ChatChoice(_Response):
     index: int
     message: ResponseMessage
@@ -183,6 +194,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class DeltaFunctionCall(_Response):
@@ -233,6 +245,7 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class CompletionResponse(_Response):

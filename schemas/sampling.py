@@ -13,6 +13,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     top_k: 0 or -1 disables; top_p in (0, 1]; min_p in [0, 1].
     logprobs: None, or how many top logprobs to return beside the chosen token's.
+    prompt_logprobs: None, or how many top logprobs to return at each prompt
+    position beside the prompt token's own (as vLLM). With it, max_tokens may be 0:
+    the prompt is scored and nothing is generated.
     stop: strings that end generation (checked on the detokenized text, excluded
     from the output unless include_stop_str_in_output).
     """
@@ -32,6 +35,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -65,12 +69,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        min_max_tokens = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens is not None and self.max_tokens < min_max_tokens:
+            bad("max_tokens", f"must be >= {min_max_tokens} (0 only with prompt_logprobs), "
+                f"got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if self.stop is not None and any((not isinstance(s, str)) or s == "" for s in self.stop):
             bad("stop", "must be non-empty strings")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):

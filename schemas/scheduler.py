@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from schemas.engine import PromptLogprobs
 from schemas.sampling import SamplingParams
 
 
@@ -53,3 +54,6 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # per sampled req: (chosen logprob, [(token_id, logprob), ...]) or None
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # req_id -> (p, entries): entries[j] scores prompt token p + 1 + j (computed at
+    # position p + j this step); only requests with prompt_logprobs, any step of their prefill
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprobs]]] | None = None

@@ -1,10 +1,20 @@
 """Session fixtures shared by tests: the real default model and a tiny random Llama."""
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 
 import pytest
+import torch
+
+# Without CUDA the Triton kernels run in the interpreter. Set here, before any
+# test module is imported: triton patches `triton.language` for the interpreter
+# only if the variable is set when it is first imported, so one module that
+# imports `kernels.*` early (collection order) broke every later kernel test.
+# The compile check's child process (test_kernels_compile) must not interpret.
+if not torch.cuda.is_available() and os.environ.get("FORMWORK_COMPILE_CHILD") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")

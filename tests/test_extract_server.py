@@ -2,83 +2,25 @@
 one server for the module) through the official openai client."""
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import pathlib
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 
-import httpx
 import jsonschema
 import pytest
 
 from gateway import extract
+from test_extract import DOCS as BASE_DOCS
+from test_extract import MAX_MODEL_LEN, SCHEMA, parse
+from test_server import KEY, Server, free_port
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-KEY = "extract-test-key"
-MAX_MODEL_LEN = 512
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 30},
-                   "city": {"type": "string", "maxLength": 20}},
-    "required": ["name", "city"],
-    "additionalProperties": False,
-}
-DOCS = {
-    "a.txt": "Jane Doe lives in Paris. She works as a baker.",
-    "notes/b.md": "# Visitor\nCarlos Ruiz came from Madrid to see the museum.",
-    "c.txt": "Li Wei was born in Shanghai.",
-}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    extract.add_arguments(p)
-    return p.parse_args(list(argv))
+DOCS = {**BASE_DOCS, "c.txt": "Li Wei was born in Shanghai."}
 
 
 @pytest.fixture(scope="module")
 def server_url():
-    port = free_port()
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--api-key", KEY,
-         "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-gb", "0.5",
-         "--log-level", "warning"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"server did not come up:\n{log.read()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    server = Server("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-gb", "0.5",
+                    timeout_s=900)
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture

@@ -153,11 +153,15 @@ def test_named_and_auto_constraints():
         "type": "function", "function": {"name": "get_weather"}})))
     assert named.json == WEATHER["function"]["parameters"]
     auto = tool_constraint(resolve_tool_mode(chat(tools=[WEATHER, TIME]))).structural_tag
-    assert auto["triggers"] == ["<tool_call>"]
-    assert [s["begin"] for s in auto["structures"]] == [
+    fmt = auto["format"]
+    assert auto["type"] == "structural_tag" and fmt["triggers"] == ["<tool_call>"]
+    assert [t["begin"] for t in fmt["tags"]] == [
         '<tool_call>\n{"name": "get_weather", "arguments": ',
         '<tool_call>\n{"name": "get_time", "arguments": ']
-    assert all(s["end"] == "}\n</tool_call>" for s in auto["structures"])
+    assert all(t["end"] == "}\n</tool_call>" for t in fmt["tags"])
+    assert [t["content"]["json_schema"] for t in fmt["tags"]] == [
+        WEATHER["function"]["parameters"], TIME["function"]["parameters"]]
+    assert fmt["stop_after_first"] is False
     assert tool_constraint(resolve_tool_mode(chat(tools=[WEATHER], tool_choice="none"))) is None
 
 
