@@ -1,4 +1,7 @@
-"""Schema coverage over the JSONSchemaBench sample in /work/shared/corpus.
+"""Schema coverage over a JSONSchemaBench sample: the project's shared corpus
+(../shared/corpus/jsonschemabench beside the checkout, 350 schemas) when it is
+there, else the 22-schema slice in tests/data/jsonschemabench; `--corpus DIR`
+picks another copy laid out the same way.
 
 For every schema: accepted or rejected (and why); for accepted ones, does a
 matcher accept every valid instance (compact JSON text, then the default
@@ -18,7 +21,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-CORPUS = pathlib.Path("/work/shared/corpus/jsonschemabench")
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+SLICE = _ROOT / "tests" / "data" / "jsonschemabench"
+_SHARED = _ROOT.parent / "shared" / "corpus" / "jsonschemabench"
+CORPUS = _SHARED if _SHARED.is_dir() else SLICE
 
 
 @dataclass(slots=True)
@@ -46,10 +52,11 @@ class Result:
     restrictive: list[str] = field(default_factory=list)  # valid rejected: "key-order"/"other"
 
 
-def load_cases(subset: str | None = None, limit: int | None = None) -> list[Case]:
+def load_cases(subset: str | None = None, limit: int | None = None,
+               corpus: pathlib.Path = CORPUS) -> list[Case]:
     """Schemas in a fixed order (subset, file name); `limit` per subset."""
     cases = []
-    for d in sorted(p for p in CORPUS.iterdir() if p.is_dir()):
+    for d in sorted(p for p in corpus.iterdir() if p.is_dir()):
         if subset and d.name != subset:
             continue
         files = sorted(f for f in d.glob("*.json") if not f.name.endswith(".tests.json"))
@@ -208,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="auto", choices=("auto", "xgrammar", "outlines"))
     ap.add_argument("--subset", default=None)
+    ap.add_argument("--corpus", type=pathlib.Path, default=CORPUS,
+                    help=f"JSONSchemaBench-layout folder (default {CORPUS})")
     ap.add_argument("--limit", type=int, default=None, help="schemas per subset")
     ap.add_argument("--json", action="store_true", help="print every result as JSON")
     args = ap.parse_args(argv)
@@ -217,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(None)
     runner = Runner(tokenizer, len(tokenizer), args.backend)
     results = []
-    for case in load_cases(args.subset, args.limit):
+    for case in load_cases(args.subset, args.limit, args.corpus):
         results.append(runner.run(case))
         r = results[-1]
         print(f"{r.subset}/{r.name}: {'ok ' + r.backend if r.accepted else r.reason} "

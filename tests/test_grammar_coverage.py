@@ -1,6 +1,7 @@
 """Schema coverage on a fixed slice of the JSONSchemaBench sample (the first 2
-schemas of every subset, minus two whose compile takes 5-10 s here; the full
-run is `python -m bench.schema_coverage`), through bench/schema_coverage.py.
+schemas of every subset, copied into tests/data/jsonschemabench so the test
+needs nothing outside the checkout, minus two whose compile takes 5-10 s here;
+the full run is `python -m bench.schema_coverage`), through bench/schema_coverage.py.
 
 The hard guarantee: no invalid instance is accepted by an accepted schema's
 matcher (a finished output always validates). The other numbers are lower
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.schema_coverage import Runner, load_cases, summarize
+from bench.schema_coverage import SLICE, Runner, load_cases, summarize
 
 SLOW = {"o21173", "sp_115_Normalized"}
 # measured: 20 schemas, 14 accepted; valid instances 38/40 accepted (the two
@@ -29,7 +30,7 @@ def results():
 
     tokenizer = load_tokenizer(None)
     runner = Runner(tokenizer, len(tokenizer), "auto")
-    return [runner.run(case) for case in load_cases(limit=2) if case.name not in SLOW]
+    return [runner.run(case) for case in load_cases(limit=2, corpus=SLICE) if case.name not in SLOW]
 
 
 def test_no_invalid_instance_is_accepted(results):
