@@ -68,9 +68,11 @@ class EngineCore:
         self.steps = 0
         self.bitmask_seconds = 0.0
         self.last_step_timing: dict[str, float] = {}
-        log.info("engine ready: %d KV blocks x %d tokens, max_model_len %d, %s %s, attention %s",
-                 info.num_kv_blocks, config.block_size, info.max_model_len, info.device,
-                 info.dtype, info.attention_backend)
+        log.info("engine ready: %d KV blocks x %d tokens, max_model_len %d, %s %s, attention %s, "
+                 "CUDA graphs %s", info.num_kv_blocks, config.block_size, info.max_model_len,
+                 info.device, info.dtype, info.attention_backend,
+                 f"on (decode batch sizes {min(info.cuda_graph_sizes)}-"
+                 f"{max(info.cuda_graph_sizes)})" if info.cuda_graph_sizes else "off")
 
     # -- input -----------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -45,12 +45,18 @@ def _die_with_parent() -> None:
             pass
 
 
+def cuda_graphs_text(sizes) -> str:
+    """How start-up logs say whether decode steps replay CUDA graphs."""
+    return f"on (decode batch sizes {min(sizes)}-{max(sizes)})" if sizes else "off"
+
+
 def engine_info(core) -> dict[str, Any]:
     info = core.info
     return {"max_model_len": core.max_model_len, "vocab_size": core.vocab_size,
             "num_kv_blocks": info.num_kv_blocks, "block_size": core.config.block_size,
             "device": info.device, "dtype": info.dtype,
             "attention_backend": info.attention_backend,
+            "cuda_graph_sizes": list(info.cuda_graph_sizes),
             "structured_backend": core.config.structured_backend,
             "load_seconds": round(info.load_seconds, 2), "pid": os.getpid()}
 

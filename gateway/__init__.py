@@ -8,10 +8,11 @@ def __getattr__(name):
     if name == "LLM":
         from gateway.llm import LLM
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from gateway import output_processor
         return getattr(output_processor, name)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "Logprob"]

@@ -3,7 +3,8 @@
 `build_app(config, ...)` returns an app whose lifespan loads the tokenizer,
 spawns the EngineCore process and shuts it down again; `run_server` serves it.
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /health, GET /metrics, GET /version. With an API key set, /v1/* needs
+POST /tokenize, POST /detokenize (vLLM's), GET /health, GET /metrics,
+GET /version. With an API key set, /v1/*, /tokenize and /detokenize need
 `Authorization: Bearer <key>`.
 """
 from __future__ import annotations
@@ -14,21 +15,26 @@ import hmac
 import logging
 import time
 from importlib import metadata
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from core.engine_proc import cuda_graphs_text
 from gateway.engine_client import EngineClient
 from gateway.errors import APIError, EngineDeadError, install_error_handlers
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.serving import ServerState
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completion import create_completion
+from gateway.serving_tokenize import detokenize, tokenize
 from schemas.config import EngineConfig
-from schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from schemas.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                            ModelList)
 
 log = logging.getLogger("formwork.gateway")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+KEYED_PATHS = ("/tokenize", "/detokenize")      # outside /v1, still behind the API key
 
 
 def version() -> str:
@@ -39,14 +45,16 @@ def version() -> str:
 
 
 class AuthMiddleware:
-    """Pure ASGI (keeps streaming cancellation intact): checks the bearer key on /v1/*."""
+    """Pure ASGI (keeps streaming cancellation intact): checks the bearer key on /v1/*
+    and KEYED_PATHS."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
         self.api_key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path in KEYED_PATHS) \
                 and scope.get("method") != "OPTIONS":
             headers = dict(scope["headers"])
             auth = headers.get(b"authorization", b"")
@@ -83,6 +91,15 @@ def _add_routes(app: FastAPI) -> None:
                            max_model_len=state.max_model_len)
                  for name in state.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request, body: dict[str, Any] = Body()):
+        resp = tokenize(_state(request), body)
+        return JSONResponse(resp.model_dump(mode="json"))
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest, request: Request):
+        return JSONResponse(detokenize(_state(request), body).model_dump(mode="json"))
 
     @app.get("/health")
     async def health(request: Request):
@@ -125,10 +142,12 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
             raise
         log.info("engine ready in %.1f s", time.monotonic() - t0)
         log.info("formwork %s serving %s as %s | %s on %s | KV cache %d blocks x %d tokens | "
-                 "max_model_len %d | attention %s | structured outputs %s | engine pid %d",
-                 version(), config.model or DEFAULT_MODEL_NAME, ", ".join(names), info["dtype"],
-                 info["device"], info["num_kv_blocks"], info["block_size"], info["max_model_len"],
-                 info["attention_backend"], info["structured_backend"], info["pid"])
+                 "max_model_len %d | attention %s | CUDA graphs %s | structured outputs %s | "
+                 "engine pid %d", version(), config.model or DEFAULT_MODEL_NAME, ", ".join(names),
+                 info["dtype"], info["device"], info["num_kv_blocks"], info["block_size"],
+                 info["max_model_len"], info["attention_backend"],
+                 cuda_graphs_text(info.get("cuda_graph_sizes")), info["structured_backend"],
+                 info["pid"])
         app.state.server = ServerState(engine=engine, tokenizer=tokenizer,
                                        served_model_names=names,
                                        max_model_len=info["max_model_len"],

@@ -117,19 +117,24 @@ def render_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: b
 
 
 def build_chat_prompt(tokenizer, messages: list[ChatMessage], mode: ToolMode,
-                      template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-    """Render and tokenize. Template errors are the caller's fault: 400 on `messages`."""
+                      template_kwargs: dict | None = None, *, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False,
+                      add_special_tokens: bool = False) -> tuple[str, list[int]]:
+    """Render and tokenize. Template errors are the caller's fault: 400 on `messages`.
+    The keyword options are /tokenize's (vLLM's); chat completions use the defaults."""
     native = template_supports_tools(tokenizer)
     dicts = render_messages(messages, mode, native)
     kwargs = dict(template_kwargs or {})
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     if native and mode.in_prompt:
         kwargs["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True)}
                            for t in mode.tools]
     try:
         prompt = tokenizer.apply_chat_template(
-            dicts, add_generation_prompt=True, tokenize=False, **kwargs)
+            dicts, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
     except Exception as e:  # jinja raises TemplateError / TypeError on bad conversations
         raise bad_request(f"messages: the chat template rejected the conversation: {e}",
                           param="messages") from None
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     return prompt, list(ids)

@@ -38,7 +38,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-jump-forward", action="store_true")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs: every step runs eagerly (default: decode "
+                        "steps replay CUDA graphs on CUDA with the Triton attention backend)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -64,7 +66,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("FORMWORK_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (env FORMWORK_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                        "(env FORMWORK_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API answers to (default: the model name)")
     p.add_argument("--log-level", default="info",

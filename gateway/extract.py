@@ -22,11 +22,12 @@ when the output finished normally, parses and validates against the schema
 unreadable inputs and server errors are recorded with valid=false and an
 `error`; no document is dropped.
 
-Long documents: offline, when the prompt plus --max-tokens exceeds the model's
-context, the end of the document is cut so that it fits; a warning goes to
-stderr and the record says "truncated": true. `--on-long skip` records such a
-document as failed instead. With --server the document is sent whole and a
-context-length refusal is recorded as that document's error.
+Long documents: when the prompt plus --max-tokens exceeds the model's context,
+the end of the document is cut so that it fits; a warning goes to stderr and
+the record says "truncated": true. `--on-long skip` records such a document as
+failed instead. Offline the engine's tokenizer measures the prompt; with
+--server the server's POST /tokenize and /detokenize do (see
+gateway/extract_server.py), and a server without them gets documents whole.
 
 Ids: a file found in a folder -> its path relative to that folder; a file named
 on the command line -> the path as given; `-` -> "stdin"; a JSONL line -> its
@@ -46,8 +47,8 @@ import json
 import os
 import sys
 import time
-import urllib.parse
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from gateway.extract_io import (DEFAULT_GLOBS, Document, RecordSink, Summary, UsageError,
                                 collect_documents, done_ids, judge, load_schema, make_record,
@@ -86,26 +87,49 @@ def build_messages(text: str, opts: ExtractOptions) -> list[dict]:
             {"role": "user", "content": text}]
 
 
-def _prompt_len(tokenizer, messages: list[dict]) -> int:
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                        return_dict=False)
-    return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+class TokenMeter(Protocol):
+    """The model's tokens, as the engine or server that runs the prompt counts them."""
+
+    def count(self, messages: list[dict]) -> int:
+        """Prompt tokens of `messages` under the chat template, generation prompt included."""
+
+    def encode(self, text: str) -> list[int]:
+        """`text` alone, no special tokens added."""
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
-def fit_document(tokenizer, text: str, opts: ExtractOptions,
+@dataclass(frozen=True, slots=True)
+class LocalMeter:
+    """TokenMeter of an in-process HF tokenizer."""
+    tokenizer: Any
+
+    def count(self, messages: list[dict]) -> int:
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
+                                                 add_generation_prompt=True, return_dict=False)
+        return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def fit_document(meter: TokenMeter, text: str, opts: ExtractOptions,
                  max_model_len: int) -> tuple[str, int, int]:
     """(text, prompt tokens with the whole document, prompt tokens with `text`):
     the document itself when its prompt leaves room for max_tokens, else its
     longest token prefix that does. ValueError when not even an empty one fits."""
     budget = max_model_len - opts.max_tokens
-    full = _prompt_len(tokenizer, build_messages(text, opts))
+    full = meter.count(build_messages(text, opts))
     if full <= budget:
         return text, full, full
-    ids = tokenizer(text, add_special_tokens=False).input_ids
+    ids = meter.encode(text)
     keep = len(ids) - (full - budget)
     while keep > 0:  # re-tokenizing the cut text can shift the count by a token or two
-        cut = tokenizer.decode(ids[:keep])
-        n = _prompt_len(tokenizer, build_messages(cut, opts))
+        cut = meter.decode(ids[:keep])
+        n = meter.count(build_messages(cut, opts))
         if n <= budget:
             return cut, full, n
         keep -= n - budget
@@ -113,11 +137,13 @@ def fit_document(tokenizer, text: str, opts: ExtractOptions,
                      f"max_model_len {max_model_len} minus --max-tokens {opts.max_tokens}")
 
 
-def _offline_prompt(llm, doc: Document, opts: ExtractOptions) -> tuple[list[dict], bool] | dict:
-    """(messages, truncated), or the record of a document that is not sent."""
-    limit = llm.engine.max_model_len
+def fitted_prompt(doc: Document, opts: ExtractOptions, meter: TokenMeter,
+                  limit: int) -> tuple[list[dict], bool] | dict:
+    """(messages, truncated) for a document whose prompt fits `limit` (max_model_len)
+    or was cut to fit; else the record of a document that is not sent (--on-long
+    skip, or no room at all). Warns on stderr about each long document."""
     try:
-        text, full, n = fit_document(llm.tokenizer, doc.text, opts, limit)
+        text, full, n = fit_document(meter, doc.text, opts, limit)
     except ValueError as e:
         return make_record(doc, error=str(e))
     if n == full:
@@ -138,10 +164,11 @@ def extract_offline(llm, docs: list[Document], opts: ExtractOptions, emit, *,
     an interrupted run leaves its finished records behind for --resume. Every
     document that is sent goes to `llm.chat` in one call, so the engine
     batches them continuously."""
-    validator = make_validator(opts.schema)
+    validator, meter = make_validator(opts.schema), LocalMeter(llm.tokenizer)
     convs, sent = [], []                    # sent[k]: (index in docs, truncated) of convs[k]
     for i, doc in enumerate(docs):
-        prompt = make_record(doc, error=doc.error) if doc.error else _offline_prompt(llm, doc, opts)
+        prompt = (make_record(doc, error=doc.error) if doc.error
+                  else fitted_prompt(doc, opts, meter, llm.engine.max_model_len))
         if isinstance(prompt, dict):
             emit(prompt)
         else:
@@ -156,77 +183,6 @@ def extract_offline(llm, docs: list[Document], opts: ExtractOptions, emit, *,
 
     if convs:
         llm.chat(convs, opts.sampling_params(), use_tqdm=progress, on_finished=finished)
-
-
-def api_base(url: str) -> str:
-    """A bare http://host:port gets the /v1 prefix; any other path is kept."""
-    return url.rstrip("/") + "/v1" if urllib.parse.urlsplit(url).path in ("", "/") else url
-
-
-def response_format(schema: dict) -> dict:
-    name = "".join(c if c.isalnum() or c in "_-" else "_" for c in str(schema.get("title", "")))
-    return {"type": "json_schema",
-            "json_schema": {"name": name[:64] or "extraction", "schema": schema, "strict": True}}
-
-
-async def extract_server(docs: list[Document], opts: ExtractOptions, emit, *, base_url: str,
-                         api_key: str | None = None, model: str | None = None,
-                         concurrency: int = 16, timeout_s: float = 600.0,
-                         progress: bool = True) -> None:
-    """Sends `docs` to an OpenAI-compatible server, at most `concurrency` at a
-    time, and calls `emit(record)` as each one completes."""
-    import openai
-    from tqdm.auto import tqdm
-
-    validator, fmt = make_validator(opts.schema), response_format(opts.schema)
-    async with openai.AsyncOpenAI(base_url=api_base(base_url), api_key=api_key or "EMPTY",
-                                  timeout=timeout_s) as client:
-        if model is None:
-            model = await _first_model(client, base_url)
-        gate = asyncio.Semaphore(concurrency)
-
-        async def one(doc: Document) -> dict:
-            if doc.error:
-                return make_record(doc, error=doc.error)
-            async with gate:
-                try:
-                    resp = await client.chat.completions.create(
-                        model=model, messages=build_messages(doc.text, opts), response_format=fmt,
-                        temperature=opts.temperature, max_tokens=opts.max_tokens)
-                except openai.APIError as e:
-                    return make_record(doc, error=_server_error(e))
-            choice, u = resp.choices[0], resp.usage
-            return judge(doc, choice.message.content or "", choice.finish_reason, validator,
-                         usage=(u.prompt_tokens, u.completion_tokens) if u else (0, 0))
-
-        with tqdm(total=len(docs), unit="doc", desc="extract", disable=not progress,
-                  file=sys.stderr, dynamic_ncols=True) as bar:
-            t0, tokens = time.perf_counter(), 0
-            for done in asyncio.as_completed([one(d) for d in docs]):
-                rec = await done
-                emit(rec)
-                tokens += rec["usage"]["completion_tokens"]
-                bar.update(1)
-                bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s")
-
-
-def _server_error(e) -> str:
-    """'server error 400: <the server's message>' from an openai.APIError."""
-    code = getattr(e, "status_code", None)
-    body = e.body if isinstance(e.body, dict) else {}
-    return f"server error{f' {code}' if code else ''}: {body.get('message') or e.message}"
-
-
-async def _first_model(client, url: str) -> str:
-    import openai
-    try:
-        models = (await client.models.list()).data
-    except openai.APIError as e:
-        raise UsageError(f"--server {url}: cannot list its models ({_server_error(e)}); is it up? "
-                         "(or name the model with --server-model)") from None
-    if not models:
-        raise UsageError(f"--server {url}: serves no models; name one with --server-model")
-    return models[0].id
 
 
 # -- command line ---------------------------------------------------------
@@ -254,7 +210,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-long", choices=("truncate", "skip"), default="truncate",
                    help="a document whose prompt + --max-tokens exceeds the context: cut its end "
                         "to fit (warning on stderr, \"truncated\": true in its record) or record "
-                        "it as failed (default: truncate; offline only)")
+                        "it as failed (default: truncate; --server measures with the server's "
+                        "/tokenize)")
     p.add_argument("--allow-failures", action="store_true",
                    help="exit 0 even when some documents failed or were invalid")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -323,6 +280,7 @@ def run(args: argparse.Namespace, *, llm=None) -> int:
                   file=sys.stderr)
             return 0
         if args.server:
+            from gateway.extract_server import extract_server
             t0 = time.perf_counter()
             asyncio.run(extract_server(
                 docs, opts, emit, base_url=args.server, api_key=args.api_key,

@@ -281,3 +281,42 @@ class ErrorInfo(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorInfo
+
+
+# ---- tokenizer endpoints (vLLM's /tokenize and /detokenize) --------------------
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Request):
+    """The prompt a chat completion with the same messages (and tools) would get."""
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

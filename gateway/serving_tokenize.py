@@ -1,0 +1,72 @@
+"""POST /tokenize and POST /detokenize, in vLLM's shapes; the tokenizer only, no engine.
+
+    /tokenize   {model?, prompt, add_special_tokens=true, return_token_strs?}
+              | {model?, messages, add_generation_prompt=true, continue_final_message=false,
+                 add_special_tokens=false, chat_template_kwargs?, tools?, tool_choice?}
+             -> {count, max_model_len, tokens, token_strs}
+    /detokenize {model?, tokens} -> {prompt}
+
+The messages form renders exactly as POST /v1/chat/completions does (same chat
+template and tools prompt), so its `count` is that request's usage.prompt_tokens.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from gateway.chat import build_chat_prompt
+from gateway.errors import bad_request
+from gateway.serving import ServerState
+from gateway.tools import resolve_tool_mode
+from schemas.openai import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
+                            TokenizeCompletionRequest, TokenizeResponse)
+
+
+def parse_tokenize_request(body: dict[str, Any]) -> TokenizeChatRequest | TokenizeCompletionRequest:
+    """The messages form when the body has `messages`, else the prompt form; a body
+    that fits neither fails like any other request body (400 naming the field)."""
+    cls = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
+                                      for err in e.errors()]) from None
+
+
+def _chat_ids(state: ServerState, req: TokenizeChatRequest) -> list[int]:
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message: cannot be used together with "
+                          "add_generation_prompt=true; set add_generation_prompt to false",
+                          param="continue_final_message")
+    _, ids = build_chat_prompt(state.tokenizer, req.messages, resolve_tool_mode(req),
+                               req.chat_template_kwargs,
+                               add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message,
+                               add_special_tokens=req.add_special_tokens)
+    return ids
+
+
+def tokenize(state: ServerState, body: dict[str, Any]) -> TokenizeResponse:
+    """Runs on the event loop's thread (the tokenizer is not shared across threads)."""
+    req = parse_tokenize_request(body)
+    state.check_model(req.model)
+    if isinstance(req, TokenizeChatRequest):
+        ids = _chat_ids(state, req)
+    else:
+        ids = list(state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    strs = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
+                            token_strs=strs)
+
+
+def detokenize(state: ServerState, req: DetokenizeRequest) -> DetokenizeResponse:
+    """Special tokens are kept, as vLLM does: detokenize(tokenize(x).tokens) == x."""
+    state.check_model(req.model)
+    vocab = len(state.tokenizer)
+    for i, token in enumerate(req.tokens):
+        if not 0 <= token < vocab:
+            raise bad_request(f"tokens[{i}]: token id {token} is outside the vocabulary "
+                              f"[0, {vocab})", param=f"tokens[{i}]")
+    return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))
