@@ -36,6 +36,14 @@ class AttnGroup:
 
 
 @dataclass(slots=True)
+class DecodeRows:
+    """The decode sequences (one new token each) for a paged decode kernel."""
+    token_index: torch.Tensor | None   # [Pd] int64 flat rows; None = every row, in order
+    block_table: torch.Tensor          # [Pd, max_blocks] int32 (negative ids clamped to 0)
+    seq_lens: torch.Tensor             # [Pd] int32
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     query_start_loc: torch.Tensor   # [num_seqs + 1] int32
     seq_lens: torch.Tensor          # [num_seqs] int32, context incl. new tokens
@@ -48,6 +56,7 @@ class AttentionMetadata:
     block_size: int
     store_index: torch.Tensor | None  # [T'] int64 rows with slot >= 0; None = all rows
     groups: list[AttnGroup]           # torch backend work split ([] if built with_groups=False)
+    decode: DecodeRows | None = None  # with paged_decode=True: decodes here, not in groups
 
     @property
     def num_tokens(self) -> int:
@@ -56,13 +65,14 @@ class AttentionMetadata:
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str, *,
-              with_groups: bool = True) -> "AttentionMetadata":
+              with_groups: bool = True, paged_decode: bool = False) -> "AttentionMetadata":
         """Sequence i has `query_lens[i]` new tokens at positions
         `seq_lens[i]-query_lens[i] .. seq_lens[i]-1`; `block_tables[i]` must
         cover `seq_lens[i]` positions. A negative block id gives slot -1 (its
         positions are not stored, and must not be attended). `with_groups=False`
         skips the torch backend's work split (`groups` stays empty) for backends
-        whose `needs_groups` is False."""
+        whose `needs_groups` is False; `paged_decode=True` puts the decode rows in
+        `decode` (for a paged decode kernel) instead of padded groups."""
         n = len(query_lens)
         assert n == len(seq_lens) == len(block_tables) and n > 0
         q = np.asarray(query_lens, dtype=np.int64)
@@ -85,21 +95,32 @@ class AttentionMetadata:
 
         dev = torch.device(device)
         as_t = lambda a, dt=torch.int64: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt)  # noqa: E731
+        decode = None
+        if paged_decode and with_groups:
+            dec = np.nonzero(q == 1)[0]
+            if len(dec) == n:
+                decode = DecodeRows(None, as_t(table, torch.int32), as_t(s, torch.int32))
+            elif len(dec):
+                decode = DecodeRows(as_t(qsl[dec]), as_t(table[dec], torch.int32),
+                                    as_t(s[dec], torch.int32))
         return cls(
             query_start_loc=as_t(qsl, torch.int32), seq_lens=as_t(s, torch.int32),
             block_table=as_t(table, torch.int32), slot_mapping=as_t(slots),
             max_query_len=int(q.max()), max_seq_len=int(s.max()),
             query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), block_size=block_size,
             store_index=None if valid.all() else as_t(np.nonzero(valid)[0]),
-            groups=_build_groups(q, s, qsl, table, block_size, as_t) if with_groups else [],
+            groups=(_build_groups(q, s, qsl, table, block_size, as_t, decodes=not paged_decode)
+                    if with_groups else []),
+            decode=decode,
         )
 
 
-def _build_groups(q, s, qsl, table, block_size, as_t) -> list[AttnGroup]:
-    """Decode rows -> padded groups of similar context length; prefills -> one each."""
+def _build_groups(q, s, qsl, table, block_size, as_t, decodes: bool = True) -> list[AttnGroup]:
+    """Decode rows -> padded groups of similar context length (unless `decodes`
+    is False); prefills -> one each."""
     groups: list[AttnGroup] = []
     nblocks = -(-s // block_size)
-    decodes = np.nonzero(q == 1)[0]
+    decodes = np.nonzero(q == 1)[0] if decodes else np.zeros(0, dtype=np.int64)
     decodes = decodes[np.argsort(s[decodes], kind="stable")]
     start = 0
     for end in range(1, len(decodes) + 1):
@@ -153,6 +174,7 @@ class AttentionBackend:
 
     name = "base"
     needs_groups = True   # reads `meta.groups` (AttentionMetadata.build(with_groups=...))
+    paged_decode = False  # reads decode rows from `meta.decode` (build(paged_decode=...))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -173,12 +195,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference/CPU path: decode rows batched into padded SDPA calls,
-    prefill sequences one SDPA call each."""
+    """Reference/CPU path: prefill sequences one SDPA call each; decode rows
+    either in one call of the CPU paged decode kernel (kernels/cpu_decode_attention,
+    when it builds here) or batched into padded gather + SDPA calls."""
 
     name = "torch"
 
-    def __init__(self):
+    def __init__(self, paged_decode: bool | None = None):
+        """paged_decode: None -> use the CPU decode kernel if it can be built."""
+        if paged_decode is None:
+            from kernels import cpu_decode_attention
+            paged_decode = cpu_decode_attention.available()
+        self.paged_decode = paged_decode
         # Gathered K/V land in two reused buffers instead of fresh tensors: a
         # fresh multi-MB tensor per layer costs page faults that, measured on
         # CPU (32 decodes x 320 keys), tripled the gather time. Safe because
@@ -204,6 +232,8 @@ class TorchAttentionBackend(AttentionBackend):
         t, h, d = q.shape
         kvh = k.shape[1]
         out = torch.empty_like(q)
+        if meta.decode is not None:
+            _paged_decode(q, k_cache, v_cache, meta.decode, scale, out)
         for g in meta.groups:
             if g.token_index is not None:
                 ks, vs = self._gather_kv(k_cache, v_cache, g.block_index)
@@ -221,6 +251,18 @@ class TorchAttentionBackend(AttentionBackend):
                                                    enable_gqa=True)
             out[g.token_start:g.token_end] = o[0].transpose(0, 1)
         return out
+
+
+def _paged_decode(q, k_cache, v_cache, rows: DecodeRows, scale: float, out: torch.Tensor) -> None:
+    """Decode rows of q [T, H, D] -> their rows of out, read straight from the paged cache."""
+    from kernels.cpu_decode_attention import paged_decode_attention
+
+    if rows.token_index is None:
+        paged_decode_attention(q, k_cache, v_cache, rows.block_table, rows.seq_lens, scale, out=out)
+        return
+    o = paged_decode_attention(q.index_select(0, rows.token_index), k_cache, v_cache,
+                               rows.block_table, rows.seq_lens, scale)
+    out.index_copy_(0, rows.token_index, o)
 
 
 def _gather(cache: torch.Tensor, block_index: torch.Tensor, out: torch.Tensor | None = None
@@ -253,7 +295,7 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(paged_decode=None if device.type == "cpu" else False)
     if name == "triton":
         from gpu.attention_triton import TritonAttentionBackend
         return TritonAttentionBackend()

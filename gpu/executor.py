@@ -94,10 +94,26 @@ class Executor:
     def __init__(self, config: EngineConfig, model_dir, *, graph_factory: GraphFactory | None = None):
         """graph_factory: tests only, stands in for CUDA-graph capture on any device
         (see gpu/cuda_graph.py); by default graphs are captured on CUDA with the
-        Triton backend unless config.enforce_eager."""
+        Triton backend unless config.enforce_eager.
+
+        All torch work (load, capture, forward, sampling) runs on the one worker
+        thread. Measured on CPU (libgomp, 2 cores): once a second thread has run
+        an OpenMP-parallel torch op, both threads' parallel regions lose their
+        spin-wait and a bf16 decode step got ~1.6x slower; the engine thread
+        therefore keeps to small ops (grammar bitmasks, bookkeeping)."""
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="formwork-forward")
+        try:
+            self._pool.submit(self._init_on_worker, config, model_dir, graph_factory).result()
+        except BaseException:
+            self._pool.shutdown(wait=True)
+            raise
+        self._inflight: tuple[SchedulerOutput, cf.Future] | None = None
+        self.timings: dict[str, float] = {}   # last step: submitted/forward_start/forward_end (perf_counter)
+
+    def _init_on_worker(self, config: EngineConfig, model_dir, graph_factory: GraphFactory | None) -> None:
         t0 = time.perf_counter()
         if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+            torch.set_num_threads(config.num_threads)   # per-thread OpenMP setting: here, not the caller's
         self.device = _pick_device(config.device)
         dtype = resolve_dtype(config.dtype, self.device)
         mcfg = ModelConfig.from_dir(model_dir)
@@ -127,9 +143,6 @@ class Executor:
                                  str(dtype).removeprefix("torch."),
                                  backend_name, time.perf_counter() - t0,
                                  tuple(graphs.sizes) if graphs is not None else ())
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="formwork-forward")
-        self._inflight: tuple[SchedulerOutput, cf.Future] | None = None
-        self.timings: dict[str, float] = {}   # last step: submitted/forward_start/forward_end (perf_counter)
 
     def _forward(self, plan: SchedulerOutput):
         self.timings["forward_start"] = time.perf_counter()
@@ -153,7 +166,7 @@ class Executor:
         plan, fut = self._inflight
         self._inflight = None
         logits = fut.result()
-        return self.runner.sample(plan, logits, bitmask)
+        return self._pool.submit(self.runner.sample, plan, logits, bitmask).result()
 
     def cancel_inflight(self) -> None:
         """After a failed step: wait the forward out so the next step starts clean."""

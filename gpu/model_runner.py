@@ -115,8 +115,10 @@ class ModelRunner:
             self.step_paths["graph"] += 1
             return self.graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables)
         self.step_paths["eager"] += 1
+        backend = self.model.attn_backend
         meta = AttentionMetadata.build(inp.query_lens, inp.seq_lens, inp.block_tables, self.block_size,
-                                       self.device, with_groups=self.model.attn_backend.needs_groups)
+                                       self.device, with_groups=backend.needs_groups,
+                                       paged_decode=backend.paged_decode)
         ids = torch.tensor(inp.input_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
         return self.model(ids, positions, self.kv_caches, meta)

@@ -1,20 +1,22 @@
 """The torch attention backend (the CPU serving path) against the paged
 attention reference, including reuse of its gather workspace across calls of
 different shapes."""
+import pytest
 import torch
 
 from gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache
 from kernels.paged_attention import paged_attention_ref
 
 
-def _case(gen, query_lens, seq_lens, bs=8, heads=6, kv_heads=2, dim=16, num_blocks=64):
+def _case(gen, query_lens, seq_lens, bs=8, heads=6, kv_heads=2, dim=16, num_blocks=64,
+          paged_decode=False):
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for s in seq_lens:
         n = -(-s // bs)
         tables.append(perm[used:used + n])
         used += n
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs, "cpu")
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs, "cpu", paged_decode=paged_decode)
     t = sum(query_lens)
     q, k, v = (torch.randn(t, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
     (kc, vc), = allocate_kv_cache(1, num_blocks, bs, kv_heads, dim, torch.float32, "cpu")
@@ -23,9 +25,10 @@ def _case(gen, query_lens, seq_lens, bs=8, heads=6, kv_heads=2, dim=16, num_bloc
     return meta, q, k, v, kc, vc
 
 
-def test_mixed_batches_match_reference_and_workspace_reuse_is_safe():
+@pytest.mark.parametrize("paged_decode", [False, True], ids=["gather-sdpa", "cpu-kernel"])
+def test_mixed_batches_match_reference_and_workspace_reuse_is_safe(paged_decode):
     gen = torch.Generator().manual_seed(7)
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(paged_decode=paged_decode)
     cases = [  # decodes of very different lengths (several groups), fresh and cached prefills
         ([1, 1, 1, 1, 1, 7, 12], [3, 90, 95, 9, 160, 7, 40]),
         ([1, 1], [200, 17]),               # bigger gather than the first case's groups
@@ -33,8 +36,11 @@ def test_mixed_batches_match_reference_and_workspace_reuse_is_safe():
     ]
     kept = []
     for query_lens, seq_lens in cases:
-        meta, q, k, v, kc, vc = _case(gen, query_lens, seq_lens)
-        assert len([g for g in meta.groups if g.token_index is not None]) >= 1
+        meta, q, k, v, kc, vc = _case(gen, query_lens, seq_lens, paged_decode=paged_decode)
+        decode_groups = [g for g in meta.groups if g.token_index is not None]
+        assert (meta.decode is not None) == paged_decode and bool(decode_groups) != paged_decode
+        if paged_decode:   # all-decode batches skip the row index
+            assert (meta.decode.token_index is None) == all(n == 1 for n in query_lens)
         kc_ref, vc_ref = kc.clone(), vc.clone()
         out = backend.forward(q, k, v, kc, vc, meta, 0.3)
         # the reference reads the cache after the same store
