@@ -84,6 +84,11 @@ def schema_file(tmp_path) -> pathlib.Path:
     return path
 
 
+def cli_args(schema_file, docs, out) -> tuple[str, ...]:
+    return ("--schema", str(schema_file), str(docs), "-o", str(out), "--max-tokens",
+            str(MAX_TOKENS), "--quiet")
+
+
 class NoModel:
     """Stands in for gateway.llm.LLM where a test proves no model is loaded."""
 
@@ -219,8 +224,7 @@ def llm():
 def test_folder_to_jsonl_then_resume(llm, tmp_path, schema_file, capsys):
     docs = write_tree(tmp_path / "docs", {**DOCS, "ignored.csv": "x"})
     out = tmp_path / "out.jsonl"
-    args = ("--schema", str(schema_file), str(docs), "-o", str(out), "--max-tokens",
-            str(MAX_TOKENS), "--quiet")
+    args = cli_args(schema_file, docs, out)
     rc = extract.run(parse(*args), llm=llm)
     records = read_records(out)
     check_records(records, SCHEMA, set(DOCS))
@@ -259,8 +263,7 @@ class InterruptAfterFirst:
 def test_interrupted_run_keeps_finished_records_and_resumes(llm, tmp_path, schema_file, capsys):
     docs = write_tree(tmp_path / "docs", {**DOCS, "c.txt": "Li Wei was born in Shanghai."})
     out = tmp_path / "out.jsonl"
-    args = ("--schema", str(schema_file), str(docs), "-o", str(out), "--max-tokens",
-            str(MAX_TOKENS), "--quiet")
+    args = cli_args(schema_file, docs, out)
     wrapped = InterruptAfterFirst(llm)
     assert extract.run(parse(*args), llm=wrapped) == 130
     assert "rerun with --resume" in capsys.readouterr().err
