@@ -119,6 +119,19 @@ class OutlinesMatcher(Matcher):
         self._guide = oc.Guide(compiled.index, max_rollback=MAX_ROLLBACK)
         self._eos = compiled.vocab.eos_token_id
         self._terminated = False
+        # Accepted token ids since reset: the guide keeps only MAX_ROLLBACK states,
+        # so a longer undo resets and replays these instead.
+        self._history: list[int] = []
+
+    def _undo(self, n: int) -> None:
+        """Take back the last n advanced tokens (all in self._history)."""
+        if n <= MAX_ROLLBACK:
+            self._guide.rollback_state(n)
+        else:
+            self._guide.reset()
+            for tid in self._history[:len(self._history) - n]:
+                self._guide.advance(tid, False)
+        del self._history[len(self._history) - n:]
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         advanced, was_terminated = 0, self._terminated
@@ -129,12 +142,13 @@ class OutlinesMatcher(Matcher):
             elif ok:
                 try:
                     self._guide.advance(int(tid), False)
+                    self._history.append(int(tid))
                     advanced += 1
                 except ValueError:
                     ok = False
             if not ok:
                 if advanced:
-                    self._guide.rollback_state(advanced)
+                    self._undo(advanced)
                 self._terminated = was_terminated
                 return False
         return True
@@ -156,10 +170,12 @@ class OutlinesMatcher(Matcher):
             self._terminated = False
             num_tokens -= 1
         if num_tokens:
-            self._guide.rollback_state(num_tokens)
+            self._undo(num_tokens)
 
     def reset(self) -> None:
         self._guide.reset()
+        self._history.clear()
+        self._terminated = False
         self._terminated = False
 
     def jump_forward_string(self) -> str:

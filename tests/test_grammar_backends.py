@@ -266,3 +266,22 @@ def test_outlines_index_build_is_isolated_and_bounded():
         build_index("(a|b)*a(a|b){20}", vocabulary, timeout_s=1.0)   # 2^20-state DFA
     with pytest.raises(ValueError, match="cannot compile"):
         build_index("a(?=b)", vocabulary, timeout_s=30.0)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_long_rejected_batch_is_taken_back(backend, backends, tokenizer, vocab):
+    """A rejected list longer than the outlines guide's rollback window (256
+    states) still leaves the matcher where it was (the coverage bench feeds whole
+    instances at once)."""
+    m = backends[backend].compile(P(regex="(ab){1,400}c")).new_matcher()
+    head = tokenizer.encode("ab" * 10, add_special_tokens=False)
+    assert m.accept_tokens(head)
+    before = allocate_bitmask(1, VOCAB)
+    m.fill_bitmask(before, 0)
+    long = tokenizer.encode("ab" * 330, add_special_tokens=False)
+    assert len(long) > 256
+    assert not m.accept_tokens(long + tokenizer.encode("x", add_special_tokens=False))
+    after = allocate_bitmask(1, VOCAB)
+    m.fill_bitmask(after, 0)
+    assert torch.equal(before, after)
+    assert accepts(m, tokenizer, vocab, "abc")
