@@ -16,13 +16,15 @@ from typing import Any
 
 import jsonschema
 
+from grammar.schema_rewrites import drop_implied_lengths
 from grammar.schema_rules import (
+    XGRAMMAR_FORMAT_LENGTHS,
     common_issues,
     ref_issues,
     outlines_only_issues,
     xgrammar_only_issues,
 )
-from grammar.schema_normalize import normalize
+from grammar.schema_normalize import map_subschemas, normalize
 from grammar.schema_walk import (
     SchemaNode,
     child_path,
@@ -104,8 +106,16 @@ def check_schema(schema: Any, backend: str) -> Any:
     check_metaschema(schema)
     issues = find_issues(schema, backend)
     if not issues:
-        return schema
+        return _backend_view(schema, backend)
     rewritten = normalize(schema)
     if rewritten is not schema and not find_issues(rewritten, backend):
-        return rewritten
+        return _backend_view(rewritten, backend)
     raise UnsupportedSchemaError(issues, backend)
+
+
+def _backend_view(schema: Any, backend: str) -> Any:
+    """xgrammar: lengths its format grammars imply are dropped (it would warn
+    about them and ignore them; the format alone enforces them)."""
+    if backend != "xgrammar":
+        return schema
+    return map_subschemas(schema, lambda node: drop_implied_lengths(node, XGRAMMAR_FORMAT_LENGTHS))

@@ -5,11 +5,12 @@ xgrammar 0.2.9 / outlines-core 0.2.14 (both ignore silently unless noted):
 - both: not, if/then/else, dependentRequired/dependentSchemas/dependencies,
   uniqueItems, contains, non-local `$ref`, `$ref` siblings (2019-09+), keywords
   next to anyOf/oneOf/allOf, enum/const siblings, `required` names missing
-  from `properties`, overlapping oneOf (treated as anyOf), type-specific
-  keywords on a node without `type`;
+  from `properties` of an object, oneOf not proven disjoint (treated as
+  anyOf; proofs in schema_oneof), type-specific keywords on a node without `type`;
 - xgrammar: allOf with >1 branch, minLength/maxLength next to pattern/format,
-  multipleOf unless on a bounded-free integer, several or overlapping
-  patternProperties, propertyNames next to properties;
+  multipleOf unless on a bounded-free integer, patternProperties that a name
+  may match twice (two patterns, or a property with other constraints: both
+  may generate that name), propertyNames next to properties;
 - outlines: every numeric bound, multipleOf, min/maxProperties, allOf,
   propertyNames, patternProperties, lengths next to pattern/format (the
   pattern is dropped), patterns that can match a quote, backslash or control
@@ -23,6 +24,13 @@ import re
 from typing import Any
 
 from grammar.regex_safety import pattern_is_json_safe
+from grammar.schema_oneof import (
+    branches_imply_type,
+    emitted_forms,
+    inferred_types as _types,
+    pairwise_disjoint,
+    patterns_disjoint,
+)
 from grammar.schema_walk import SchemaNode, is_legacy_draft, resolve_local_ref
 
 NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
@@ -40,21 +48,11 @@ ASSERTIONS = frozenset(NUMERIC + STRING + ARRAY + OBJECT + APPLICATORS + (
 OUTLINES_FORMATS = frozenset({"date-time", "date", "time", "uuid", "uri", "email"})
 # Measured: 17 optional properties made build_regex_from_schema exhaust 3 GB.
 OUTLINES_MAX_OPTIONAL = 16
+# Shortest and longest (None: unbounded) string, in code points, that xgrammar
+# 0.2.9's grammar for each format admits (tests recompute them from its EBNF).
+XGRAMMAR_FORMAT_LENGTHS = {"date": (10, 10), "time": (9, None), "date-time": (20, None),
+                           "uuid": (36, 36), "ipv4": (7, 15), "email": (3, None)}
 Issues = list[tuple[str, str]]
-
-
-def _types(node: dict) -> set[str] | None:
-    """Explicit `type` as a set, or what xgrammar infers (object/array), or None."""
-    t = node.get("type")
-    if isinstance(t, str):
-        return {t}
-    if isinstance(t, list):
-        return set(t)
-    if "properties" in node or "additionalProperties" in node:
-        return {"object"}
-    if "items" in node or "prefixItems" in node:
-        return {"array"}
-    return None
 
 
 def _siblings(node: dict, *keys: str) -> list[str]:
@@ -74,9 +72,9 @@ def common_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     out += ref_issues(node, root)
     for kw in ("anyOf", "oneOf", "allOf"):
         sib = _siblings(node, kw, "$ref")
-        if kw in node and sib and not (sib == ["type"] and _branches_imply_type(node, kw, root)):
+        if kw in node and sib and not (sib == ["type"] and branches_imply_type(node, kw, root)):
             out.append((kw, f"keywords next to {kw} are ignored: {sib}"))
-    if "oneOf" in node and not _pairwise_disjoint(node["oneOf"], root):
+    if "oneOf" in node and not pairwise_disjoint(node["oneOf"], root, validator):
         out.append(("oneOf", "branches are not provably disjoint (would be treated as anyOf)"))
     out += _enum_issues(node, validator)
     out += _required_issues(node)
@@ -107,7 +105,7 @@ def _enum_issues(node: dict, validator: Any) -> Issues:
     values = [node["const"]] if kw == "const" else list(node["enum"])
     rest = {k: v for k, v in node.items() if k not in ("enum", "const")}
     sub = validator.evolve(schema=rest)
-    bad = [v for v in values if not sub.is_valid(v)]
+    bad = [v for v in values if not all(sub.is_valid(x) for x in emitted_forms(v))]
     if bad:
         return [(kw, f"value {json.dumps(bad[0])} violates sibling keywords, which are ignored")]
     return []
@@ -115,103 +113,14 @@ def _enum_issues(node: dict, validator: Any) -> Issues:
 
 def _required_issues(node: dict) -> Issues:
     req = node.get("required")
-    if not isinstance(req, list):
-        return []
+    types = _types(node)
+    if not isinstance(req, list) or (types is not None and "object" not in types):
+        return []                    # `required` constrains objects only
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     missing = [r for r in req if r not in props]
     if missing:
         return [("required", f"required property {missing[0]!r} is not declared in 'properties'")]
     return []
-
-
-# --- oneOf disjointness -------------------------------------------------------------
-
-def _vkey(v: Any) -> tuple:
-    if isinstance(v, bool):
-        return ("b", v)
-    if isinstance(v, (int, float)):
-        return ("n", float(v))
-    return ("j", json.dumps(v, sort_keys=True))
-
-
-def _value_type(v: Any) -> set[str]:
-    if isinstance(v, bool):
-        return {"boolean"}
-    if isinstance(v, (int, float)):
-        return {"number", "integer"} if float(v).is_integer() else {"number"}
-    return {{str: "string", list: "array", dict: "object", type(None): "null"}[type(v)]}
-
-
-def _facts(branch: Any, root: Any, infer: bool) -> tuple[set | None, list | None, dict]:
-    """(types, values, {required property: value keys}) over-approximating what one
-    branch admits. `infer`: count xgrammar's inferred types (what it generates);
-    without it only an explicit `type` restricts (what jsonschema admits)."""
-    for _ in range(16):      # follow a short $ref chain
-        if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
-            target = resolve_local_ref(root, branch["$ref"])
-            if target is None:
-                break
-            branch = target[0]
-    if not isinstance(branch, dict):
-        return None, None, {}
-    values = None
-    if "const" in branch:
-        values = [branch["const"]]
-    elif isinstance(branch.get("enum"), list):
-        values = branch["enum"]
-    if infer:
-        types = _types(branch)
-    else:
-        types = _types({"type": branch["type"]}) if "type" in branch else None
-    if types is not None and "number" in types:
-        types = types | {"integer"}
-    disc = {}
-    props = branch.get("properties") if isinstance(branch.get("properties"), dict) else {}
-    for name in branch.get("required", []) if isinstance(branch.get("required"), list) else []:
-        p = props.get(name)
-        if isinstance(p, dict) and ("const" in p or isinstance(p.get("enum"), list)):
-            disc[name] = {_vkey(v) for v in ([p["const"]] if "const" in p else p["enum"])}
-    return types, (None if values is None else values), disc
-
-
-def _disjoint(a: tuple, b: tuple) -> bool:
-    (ta, va, da), (tb, vb, db) = a, b
-    if va is not None and vb is not None:
-        return not ({_vkey(v) for v in va} & {_vkey(v) for v in vb})
-    if va is not None and tb is not None:
-        return all(not (_value_type(v) & tb) for v in va)
-    if vb is not None and ta is not None:
-        return all(not (_value_type(v) & ta) for v in vb)
-    if ta is not None and tb is not None and not (ta & tb):
-        return True
-    if ta == {"object"} and tb == {"object"}:
-        return any(not (da[k] & db[k]) for k in da.keys() & db.keys())
-    return False
-
-
-def _branches_imply_type(node: dict, kw: str, root: Any) -> bool:
-    """Every branch of node[kw] admits only types that node["type"] allows."""
-    allowed = _types({"type": node["type"]})
-    branches = node[kw]
-    if allowed is None or not isinstance(branches, list):
-        return False
-    if "number" in allowed:
-        allowed = allowed | {"integer"}
-    for types, values, _ in (_facts(b, root, infer=True) for b in branches):
-        if values is not None:
-            if any(not (_value_type(v) & allowed) for v in values):
-                return False
-        elif types is None or not types <= allowed:
-            return False
-    return True
-
-
-def _pairwise_disjoint(branches: Any, root: Any) -> bool:
-    if not isinstance(branches, list):
-        return False
-    facts = [_facts(b, root, infer=False) for b in branches]
-    return all(_disjoint(facts[i], facts[j])
-               for i in range(len(facts)) for j in range(i + 1, len(facts)))
 
 
 # --- backend-specific -----------------------------------------------------------------
@@ -220,7 +129,7 @@ def xgrammar_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     node, out = sn.schema, []
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         out.append(("allOf", "allOf with more than one branch is not enforced"))
-    out += _length_next_to_pattern(node)
+    out += _length_next_to_pattern(node, XGRAMMAR_FORMAT_LENGTHS)
     if "multipleOf" in node:
         bounded = any(k in node for k in NUMERIC if k != "multipleOf")
         m = node["multipleOf"]
@@ -237,27 +146,52 @@ def xgrammar_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     return out
 
 
-def _length_next_to_pattern(node: dict) -> Issues:
+def _length_next_to_pattern(node: dict, format_lengths: dict | None = None) -> Issues:
+    """`format_lengths`: {format: (shortest, longest or None)} the backend's format
+    grammar generates; a length bound those imply needs no enforcing."""
     if "pattern" not in node and "format" not in node:
         return []
     other = "pattern" if "pattern" in node else "format"
-    return [(k, f"not enforced together with '{other}'")
-            for k in ("minLength", "maxLength") if k in node]
+    implied = (format_lengths or {}).get(node["format"]) if other == "format" else None
+    out = []
+    for k in ("minLength", "maxLength"):
+        if k not in node:
+            continue
+        bound = node[k]
+        if implied is not None and isinstance(bound, (int, float)) and not isinstance(bound, bool):
+            if k == "minLength" and bound <= implied[0]:
+                continue
+            if k == "maxLength" and implied[1] is not None and bound >= implied[1]:
+                continue
+        out.append((k, f"not enforced together with '{other}'"))
+    return out
 
 
 def _pattern_properties_issues(node: dict, pp: dict) -> Issues:
-    if len(pp) > 1:
-        return [("patternProperties", "more than one pattern (a key may match several)")]
-    pattern = next(iter(pp))
-    try:
-        rx = re.compile(pattern)
-    except re.error:
-        return [("patternProperties", f"pattern {pattern!r} is not a Python-compatible regex")]
+    """xgrammar generates a name for each pattern (full match, possibly repeated)
+    and a declared name also through a pattern it matches: fine only when no name
+    matches two patterns and a clashing property means the same as its pattern's."""
+    names = list(pp)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if not patterns_disjoint(a, b):
+                return [("patternProperties", f"a name may match both {a!r} and {b!r}")]
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-    clash = [p for p in props if rx.search(p)]
-    if clash:
-        return [("patternProperties", f"property {clash[0]!r} also matches {pattern!r}")]
+    for pattern, schema in pp.items():
+        try:
+            rx = re.compile(pattern)
+        except re.error:
+            return [("patternProperties", f"pattern {pattern!r} is not a Python-compatible regex")]
+        clash = [p for p in props if rx.search(p) and _constraints(props[p]) != _constraints(schema)]
+        if clash:
+            return [("patternProperties", f"property {clash[0]!r} also matches {pattern!r}")]
     return []
+
+
+def _constraints(schema: Any) -> Any:
+    if not isinstance(schema, dict):
+        return {} if schema is True else schema
+    return {k: v for k, v in schema.items() if k in ASSERTIONS or k == "format"}
 
 
 def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:

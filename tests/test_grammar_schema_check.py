@@ -163,9 +163,9 @@ REWRITABLE = {
                                                 "properties": {"a": {"type": "integer"}}}},
                        "allOf": [{"$ref": "#/definitions/base"},
                                  {"properties": {"c": {"type": "string", "maxLength": 2}}}]},
-    "oneOf + type": {"type": "object", "oneOf": [
-        {"properties": {"k": {"const": "a"}, "n": {"type": "integer"}}, "required": ["k"]},
-        {"properties": {"k": {"const": "b"}}, "required": ["k"]}]},
+    "oneOf + siblings": {"type": "object", "required": ["k"], "properties": {"k": {"type": "string"}},
+                         "oneOf": [{"properties": {"k": {"const": "a"}, "n": {"type": "integer"}}},
+                                   {"properties": {"k": {"const": "b"}}}]},
     "anyOf + required": {"type": "object", "properties": {"x": {"type": "integer"},
                                                           "y": {"type": "integer"}},
                          "anyOf": [{"required": ["x"]}, {"required": ["y"]}]},
@@ -188,7 +188,11 @@ def test_rewrites_keep_meaning_and_make_schemas_enforceable(name):
 
 def test_merge_refuses_what_a_plain_union_would_change():
     closed = {"properties": {"a": {}}, "additionalProperties": False}
-    assert merge(closed, {"properties": {"b": {}}}) is None          # b forbidden by `closed`
+    assert merge(closed, {"properties": {"b": {}}}) == closed        # b stays forbidden
+    assert merge({"additionalProperties": {"type": "integer"}}, {"properties": {"b": {"minimum": 1}}}) \
+        == {"additionalProperties": {"type": "integer"},
+            "properties": {"b": {"type": "integer", "minimum": 1}}}
+    assert merge({"patternProperties": {"^x": {}}}, closed) is None  # x.. would be allowed
     assert merge({"if": {}, "then": {}}, {"if": {}, "else": {}}) is None
     assert merge({"$ref": "#/a"}, {"type": "string"}, legacy=True) is None
     assert merge({"type": "string"}, {"type": "integer"}) is None
