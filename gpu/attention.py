@@ -19,6 +19,10 @@ import torch.nn.functional as F
 # Decode rows of very different context lengths go into separate padded
 # groups once padding would exceed this fraction of the real work.
 _DECODE_PAD_SLACK = 0.5
+# With the paged decode kernel, sequences with at most this many new tokens
+# (decodes, jump-forward chunks) are attended token by token in the kernel;
+# longer chunks (prefills) keep one SDPA call each.
+_PAGED_MAX_QUERY = 8
 
 
 @dataclass(slots=True)
@@ -37,10 +41,11 @@ class AttnGroup:
 
 @dataclass(slots=True)
 class DecodeRows:
-    """The decode sequences (one new token each) for a paged decode kernel."""
+    """Token rows for the paged decode kernel: each attends to the first
+    seq_lens[i] keys of its sequence (decodes, and each token of a short chunk)."""
     token_index: torch.Tensor | None   # [Pd] int64 flat rows; None = every row, in order
     block_table: torch.Tensor          # [Pd, max_blocks] int32 (negative ids clamped to 0)
-    seq_lens: torch.Tensor             # [Pd] int32
+    seq_lens: torch.Tensor             # [Pd] int32: keys row i attends to (its position + 1)
 
 
 @dataclass(slots=True)
@@ -95,32 +100,38 @@ class AttentionMetadata:
 
         dev = torch.device(device)
         as_t = lambda a, dt=torch.int64: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt)  # noqa: E731
-        decode = None
+        decode, short = None, np.zeros(n, dtype=bool)
         if paged_decode and with_groups:
-            dec = np.nonzero(q == 1)[0]
-            if len(dec) == n:
+            # Decodes and short chunks (jump-forward tokens): one kernel row per
+            # token, causal by giving token at position p a context of p + 1 keys
+            # (its K/V are stored before attention runs).
+            short = q <= _PAGED_MAX_QUERY
+            if short.all() and (q == 1).all():
                 decode = DecodeRows(None, as_t(table, torch.int32), as_t(s, torch.int32))
-            elif len(dec):
-                decode = DecodeRows(as_t(qsl[dec]), as_t(table[dec], torch.int32),
-                                    as_t(s[dec], torch.int32))
+            elif short.any():
+                rows = np.nonzero(short[seq_of_token])[0]
+                seq = seq_of_token[rows]
+                decode = DecodeRows(as_t(rows), as_t(table[seq], torch.int32),
+                                    as_t(pos[rows] + 1, torch.int32))
         return cls(
             query_start_loc=as_t(qsl, torch.int32), seq_lens=as_t(s, torch.int32),
             block_table=as_t(table, torch.int32), slot_mapping=as_t(slots),
             max_query_len=int(q.max()), max_seq_len=int(s.max()),
             query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), block_size=block_size,
             store_index=None if valid.all() else as_t(np.nonzero(valid)[0]),
-            groups=(_build_groups(q, s, qsl, table, block_size, as_t, decodes=not paged_decode)
+            groups=(_build_groups(q, s, qsl, table, block_size, as_t, skip=short)
                     if with_groups else []),
             decode=decode,
         )
 
 
-def _build_groups(q, s, qsl, table, block_size, as_t, decodes: bool = True) -> list[AttnGroup]:
-    """Decode rows -> padded groups of similar context length (unless `decodes`
-    is False); prefills -> one each."""
+def _build_groups(q, s, qsl, table, block_size, as_t, skip=None) -> list[AttnGroup]:
+    """Decode rows -> padded groups of similar context length; prefills -> one
+    each. Sequences where `skip` is True are left out (the paged kernel has them)."""
     groups: list[AttnGroup] = []
     nblocks = -(-s // block_size)
-    decodes = np.nonzero(q == 1)[0] if decodes else np.zeros(0, dtype=np.int64)
+    keep = np.ones(len(q), dtype=bool) if skip is None else ~skip
+    decodes = np.nonzero((q == 1) & keep)[0]
     decodes = decodes[np.argsort(s[decodes], kind="stable")]
     start = 0
     for end in range(1, len(decodes) + 1):
@@ -138,7 +149,7 @@ def _build_groups(q, s, qsl, table, block_size, as_t, decodes: bool = True) -> l
             block_index=as_t(table[idx, :nb]),
             mask=as_t(mask[:, None, None, :], torch.bool)))
         start = end
-    for i in np.nonzero(q > 1)[0]:
+    for i in np.nonzero((q > 1) & keep)[0]:
         a, b, ctx = int(qsl[i]), int(qsl[i + 1]), int(s[i])
         if q[i] == ctx:  # no cached prefix: causal attention over the new tokens only
             groups.append(AttnGroup(None, a, b, None, None))

@@ -33,6 +33,7 @@ def test_mixed_batches_match_reference_and_workspace_reuse_is_safe(paged_decode)
         ([1, 1, 1, 1, 1, 7, 12], [3, 90, 95, 9, 160, 7, 40]),
         ([1, 1], [200, 17]),               # bigger gather than the first case's groups
         ([5, 1, 1, 1], [5, 2, 8, 16]),     # smaller: the workspace is reused, not regrown
+        ([3, 1, 2, 9], [50, 30, 17, 60]),  # short chunks over cached blocks (jump-forward)
     ]
     kept = []
     for query_lens, seq_lens in cases:
