@@ -19,7 +19,8 @@ from core.interfaces import StructuredOutputManagerProtocol
 from core.kv_cache import KVCacheManager
 from core.plan import PlanBuilder
 from core.request import Request, RequestStatus
-from schemas.engine import EngineCoreOutput, Logprob, PromptLogprobs, TokenLogprobs
+from core.prompt_logprobs import PromptLogprobsCollector, scores_prompt
+from schemas.engine import EngineCoreOutput, Logprob, TokenLogprobs
 from schemas.scheduler import ModelRunnerOutput, SchedulerOutput
 
 _WAITING = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.PREEMPTED)
@@ -45,8 +46,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()       # reported in the next plan
         self._pending_outputs: list[EngineCoreOutput] = []     # finishes decided in schedule()
         self._pending_logprobs: dict[str, list[TokenLogprobs]] = {}
-        self._prompt_lps: dict[str, list[PromptLogprobs]] = {}          # prefill under way
-        self._pending_prompt_lps: dict[str, list[PromptLogprobs]] = {}  # for the next output
+        self._prompt_lps = PromptLogprobsCollector()
 
     # ---- intake --------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -144,7 +144,7 @@ class Scheduler:
                 continue
             # prompt logprobs need every prompt position computed: no prefix-cache hit (as
             # vLLM); the blocks it fills are still cached for others
-            computed_ids, num_hit = (([], 0) if self._scores_prompt(req)
+            computed_ids, num_hit = (([], 0) if scores_prompt(req)
                                      else self.kv.get_computed_blocks(req))
             n = policy.fit_chunk(req.num_tokens - num_hit, plan.budget,
                                  room=self.max_model_len - num_hit,
@@ -194,8 +194,8 @@ class Scheduler:
                 continue                   # finished or aborted after schedule()
             req.num_computed_tokens = base[rid] + n
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
-            if self._scores_prompt(req):
-                self._add_prompt_logprobs(req, plps.get(rid))
+            if scores_prompt(req):
+                self._prompt_lps.add(req, plps.get(rid))
             status = None
             if rid in sampled:             # max_tokens 0 (scoring only): the token is dropped
                 status = (RequestStatus.FINISHED_LENGTH_CAPPED if req.sampling_params.max_tokens == 0
@@ -205,26 +205,6 @@ class Scheduler:
             elif req.pending_output_ids:
                 outputs.append(self._emit(req))
         return outputs
-
-    @staticmethod
-    def _scores_prompt(req: Request) -> bool:
-        """Prompt logprobs asked and not yet sent (none once outputs exist)."""
-        return req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0
-
-    def _add_prompt_logprobs(self, req: Request, chunk) -> None:
-        """Collects the runner's (p, entries) of this step; once the prompt is computed
-        they are all queued for the next output. A prefill recomputed after preemption
-        restarts at p = 0 and overwrites."""
-        rid = req.request_id
-        acc = self._prompt_lps.setdefault(rid, [])
-        if chunk is not None:
-            start, entries = chunk
-            del acc[start:]
-            assert len(acc) == start, f"{rid}: prompt logprobs from {start}, have {len(acc)}"
-            acc.extend(entries)
-        if req.num_computed_tokens >= req.num_prompt_tokens:
-            assert len(acc) == req.num_prompt_tokens - 1, (rid, len(acc), req.num_prompt_tokens)
-            self._pending_prompt_lps[rid] = self._prompt_lps.pop(rid)
 
     def _on_sampled(self, req: Request, token_id: int, lp) -> RequestStatus | None:
         """Append a sampled token (+ grammar jump-forward); the finish status if it ends req."""
@@ -267,7 +247,7 @@ class Scheduler:
         out = EngineCoreOutput(
             request_id=req.request_id, new_token_ids=req.pending_output_ids,
             new_logprobs=self._pending_logprobs.pop(req.request_id, None),
-            prompt_logprobs=self._pending_prompt_lps.pop(req.request_id, None),
+            prompt_logprobs=self._prompt_lps.take(req.request_id),
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason if req.is_finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0), error=req.error)
@@ -287,12 +267,13 @@ class Scheduler:
             self.kv.free(req)
         if req.use_structured_output and self.som is not None:
             self.som.remove(rid)
-        self._prompt_lps.pop(rid, None)
         req.status = status
         req.error = error or req.error
         del self.requests[rid]
         self._drop_from_runner(rid)
-        return self._emit(req)
+        out = self._emit(req)            # carries prompt logprobs completed this step
+        self._prompt_lps.drop(rid)
+        return out
 
     def _drop_from_runner(self, rid: str) -> None:
         if rid in self._in_runner:
