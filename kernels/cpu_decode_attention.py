@@ -57,10 +57,12 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   for (int64_t d = 0; d < D; ++d) o[d] = static_cast<uint32_t>(s[d]) << 16;
 }
 
-template <typename scalar_t>
+// HD > 0: head_dim known at compile time (fully unrolled, vectorized loops);
+// HD == 0: any head_dim.
+template <typename scalar_t, int64_t HD>
 static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                         const at::Tensor& bt, const at::Tensor& sl, double scale, at::Tensor& out) {
-  const int64_t P = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t P = q.size(0), H = q.size(1), D = HD > 0 ? HD : q.size(2);
   const int64_t BS = kc.size(1), KVH = kc.size(2), G = H / KVH;
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
@@ -138,7 +140,11 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
 void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                   const at::Tensor& bt, const at::Tensor& sl, double scale, at::Tensor& out) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_impl<scalar_t>(q, kc, vc, bt, sl, scale, out);
+    switch (q.size(2)) {
+      case 64: decode_impl<scalar_t, 64>(q, kc, vc, bt, sl, scale, out); break;
+      case 128: decode_impl<scalar_t, 128>(q, kc, vc, bt, sl, scale, out); break;
+      default: decode_impl<scalar_t, 0>(q, kc, vc, bt, sl, scale, out);
+    }
   });
 }
 """
