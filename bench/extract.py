@@ -19,7 +19,6 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 FIRST = ["Maria", "Tom", "Priya", "Li", "Anna", "Kofi", "Sara", "Jonas", "Yuki", "Omar"]
 LAST = ["Lopez", "Becker", "Nair", "Wei", "Novak", "Mensah", "Berg", "Keller", "Sato", "Haddad"]
@@ -52,7 +51,7 @@ def invoice_doc(rng: random.Random) -> str:
 
 
 def run_mode(llm, docs, opts, batched: bool) -> dict:
-    from gateway.extract import extract_offline
+    from formwork.gateway.extract import extract_offline
     t0 = time.perf_counter()
     records: list[dict] = []
     if batched:
@@ -84,9 +83,9 @@ def main(argv=None) -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
 
-    from gateway.extract import ExtractOptions
-    from gateway.extract_io import Document, load_schema
-    from gateway.llm import LLM
+    from formwork.gateway.extract import ExtractOptions
+    from formwork.gateway.extract_io import Document, load_schema
+    from formwork.gateway.llm import LLM
 
     schema = load_schema(str(ROOT / "examples" / "schemas" / f"{args.kind}.json"))
     opts = ExtractOptions(schema=schema, max_tokens=args.max_tokens)

@@ -25,7 +25,11 @@ PY=${PYTHON:-$(command -v python || command -v python3)}
 OUTDIR=${OUT:-/tmp/formwork-gpu-check}
 CARRY=${GPU_CARRY:-.gpu_carry}
 mkdir -p "$OUTDIR"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The checkout root is the package `formwork` (pyproject.toml's package-dir): without
+# installing it, a link named formwork on PYTHONPATH makes `import formwork.*` work.
+FW_PATH=$(mktemp -d /tmp/formwork-path.XXXXXX)
+ln -s "$PWD" "$FW_PATH/formwork"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$FW_PATH${PYTHONPATH:+:$PYTHONPATH}"
 SUMMARY=""
 
 run_step() {  # run_step NAME LIMIT_S CMD... : runs CMD under a time limit, records the outcome
@@ -90,7 +94,7 @@ if [ $DRY = 1 ]; then
     if [ -f "bench/$b.py" ]; then run_step "$b (--help only)" 60 "$PY" "bench/$b.py" --help
     else skip_step "$b" "bench/$b.py does not exist"; fi
   done
-elif ! "$PY" -c 'import gateway, core.engine_core' 2> "$OUTDIR/import_error.txt"; then
+elif ! "$PY" -c 'import formwork.gateway.llm, formwork.core.engine_core' 2> "$OUTDIR/import_error.txt"; then
   for b in $ENGINE_BENCHES; do
     skip_step "$b" "engine imports fail ($(tail -1 "$OUTDIR/import_error.txt")); carry $CARRY/whl"
   done

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make_workload(tokenizer, n: int, seed: int, pmin=20, pmax=600, omin=16, omax=256):
@@ -36,7 +33,7 @@ def make_workload(tokenizer, n: int, seed: int, pmin=20, pmax=600, omin=16, omax
 
 
 def run_formwork(args, reqs):
-    from gateway import LLM, SamplingParams
+    from formwork import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads)
@@ -63,7 +60,7 @@ def _device(args):
 def run_hf(args, reqs, model_dir):
     import torch
     from transformers import AutoModelForCausalLM
-    from gpu.executor import resolve_dtype
+    from formwork.gpu.executor import resolve_dtype
     device = _device(args)
     dtype = resolve_dtype(args.dtype, device)          # the same dtype formwork picked
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
@@ -112,8 +109,8 @@ def main(argv=None):
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
-    from core.tokenizer import load_tokenizer
-    from gpu.loader import resolve_model
+    from formwork.core.tokenizer import load_tokenizer
+    from formwork.gpu.loader import resolve_model
     model_dir = resolve_model(args.model)
     tok = load_tokenizer(args.model)
     reqs = make_workload(tok, args.num_requests, args.seed)
@@ -121,7 +118,7 @@ def main(argv=None):
                         "output_tokens": sum(o for _, o in reqs)},
            "threads": torch.get_num_threads(), "dtype": args.dtype}
     if args.dtype == "auto":
-        from gpu.executor import resolve_dtype
+        from formwork.gpu.executor import resolve_dtype
         res["dtype"] = args.dtype = str(resolve_dtype("auto", _device(args))).removeprefix("torch.")
     res["formwork"] = run_formwork(args, reqs)
     print(f"formwork: {res['formwork']}", file=sys.stderr, flush=True)

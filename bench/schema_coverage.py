@@ -8,7 +8,7 @@ matcher accept every valid instance (compact JSON text, then the default
 `json.dumps` spacing) and reject every invalid one? Ground truth is
 `jsonschema` with the draft the schema declares (formats not asserted).
 
-  python -m bench.schema_coverage [--backend auto] [--subset Kubernetes] [--limit 20] [--json]
+  python bench/schema_coverage.py [--backend auto] [--subset Kubernetes] [--limit 20] [--json]
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _texts(instance) -> list[str]:
 def _reorder(instance, schema, root, strip: bool = False):
     """`instance` with object keys in the schema's `properties` order and, if
     `strip`, without undeclared keys (best effort, for attributing rejections)."""
-    from grammar.schema_walk import resolve_local_ref
+    from formwork.grammar.schema_walk import resolve_local_ref
 
     for _ in range(8):
         if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
@@ -98,9 +98,9 @@ def _reorder(instance, schema, root, strip: bool = False):
 
 class Runner:
     def __init__(self, tokenizer, vocab_size: int, backend: str):
-        from grammar.outlines_backend import OutlinesBackend
-        from grammar.vocab import TokenVocab
-        from grammar.xgrammar_backend import XGrammarBackend
+        from formwork.grammar.outlines_backend import OutlinesBackend
+        from formwork.grammar.vocab import TokenVocab
+        from formwork.grammar.xgrammar_backend import XGrammarBackend
 
         self.tok = tokenizer
         self.vocab = TokenVocab.from_tokenizer(tokenizer, vocab_size)
@@ -122,9 +122,9 @@ class Runner:
     def run(self, case: Case) -> Result:
         import jsonschema
 
-        from grammar.schema_check import UnsupportedSchemaError
-        from grammar.selection import choose_backend
-        from schemas.structured import StructuredOutputsParams
+        from formwork.grammar.schema_check import UnsupportedSchemaError
+        from formwork.grammar.selection import choose_backend
+        from formwork.schemas.structured import StructuredOutputsParams
 
         res = Result(case.subset, case.name, accepted=False)
         params = StructuredOutputsParams(json=case.schema, backend=self.backend)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print every result as JSON")
     args = ap.parse_args(argv)
 
-    from core.tokenizer import load_tokenizer
+    from formwork.core.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     runner = Runner(tokenizer, len(tokenizer), args.backend)

@@ -15,12 +15,9 @@ key-heavy schema.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 LONG_STRING_SCHEMA = {
     "type": "object",
@@ -58,7 +55,7 @@ def timed_chat(llm, convs, sp):
 
 def bench_apply(vocab: int, batches, reps: int = 50):
     import torch
-    from kernels.bitmask import apply_bitmask
+    from formwork.kernels.bitmask import apply_bitmask
     rows = {}
     for b in batches:
         logits = torch.randn(b, vocab)
@@ -83,7 +80,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--backend", default="xgrammar")
     args = ap.parse_args(argv)
-    from gateway import LLM, SamplingParams, StructuredOutputsParams
+    from formwork import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batches))
     so = StructuredOutputsParams(json=LONG_STRING_SCHEMA, backend=args.backend)
     plain = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

@@ -15,17 +15,17 @@ import threading
 import time
 from typing import Callable
 
-from core.kv_cache import KVCacheManager
-from core.request import Request, RequestStatus
-from core.scheduler import Scheduler
-from schemas.config import EngineConfig
-from schemas.engine import EngineCoreOutputs, EngineCoreRequest, EngineStats
+from formwork.core.kv_cache import KVCacheManager
+from formwork.core.request import Request, RequestStatus
+from formwork.core.scheduler import Scheduler
+from formwork.schemas.config import EngineConfig
+from formwork.schemas.engine import EngineCoreOutputs, EngineCoreRequest, EngineStats
 
 log = logging.getLogger("formwork.engine")
 
 
 def _make_grammar_manager(config: EngineConfig, tokenizer, vocab_size: int):
-    from grammar.manager import StructuredOutputManager
+    from formwork.grammar.manager import StructuredOutputManager
     return StructuredOutputManager(
         tokenizer, vocab_size,
         default_backend=config.structured_backend,
@@ -38,12 +38,12 @@ def _make_grammar_manager(config: EngineConfig, tokenizer, vocab_size: int):
 class EngineCore:
     def __init__(self, config: EngineConfig, *, executor=None, tokenizer=None,
                  structured_manager=None):
-        from gpu.loader import resolve_model, load_tokenizer
+        from formwork.gpu.loader import resolve_model, load_tokenizer
         self.config = config
         model_dir = resolve_model(config.model) if executor is None or tokenizer is None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         if executor is None:
-            from gpu.executor import Executor
+            from formwork.gpu.executor import Executor
             executor = Executor(config, model_dir)
         self.executor = executor
         info = executor.info

@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from schemas.config import EngineConfig
-from schemas.engine import (EngineCoreOutput, EngineCoreOutputs, FinishReason, InputMessage)
+from formwork.schemas.config import EngineConfig
+from formwork.schemas.engine import (EngineCoreOutput, EngineCoreOutputs, FinishReason, InputMessage)
 
 log = logging.getLogger("formwork.engine")
 
@@ -159,7 +159,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     encoder = msgspec.msgpack.Encoder()
     core = None
     try:
-        from core.engine_core import EngineCore
+        from formwork.core.engine_core import EngineCore
         core = EngineCore(config)
         out_sock.send(encoder.encode(EngineCoreOutputs(
             utility_call_id=READY_CALL_ID, utility_result=engine_info(core))))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
-from schemas.structured import StructuredOutputsParams
+from formwork.schemas.structured import StructuredOutputsParams
 
 GrammarStatus = Literal["pending", "ready", "failed"]
 

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from core.request import Request
+from formwork.core.request import Request
 
 BlockHash = Hashable
 # hash_fn(parent_hash, block_token_ids) -> hash; the chain makes a block's hash

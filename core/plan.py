@@ -1,9 +1,9 @@
 """One step's SchedulerOutput, accumulated by the Scheduler."""
 from __future__ import annotations
 
-from core import policy
-from core.request import Request
-from schemas.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
+from formwork.core import policy
+from formwork.core.request import Request
+from formwork.schemas.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class PlanBuilder:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from core.request import RequestStatus
-from schemas.sampling import SamplingParams
+from formwork.core.request import RequestStatus
+from formwork.schemas.sampling import SamplingParams
 
 
 def fit_chunk(num_remaining: int, token_budget: int, *, room: int, allow_partial: bool,

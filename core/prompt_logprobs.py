@@ -7,8 +7,8 @@ restarts at position 0 and overwrites what was collected.
 """
 from __future__ import annotations
 
-from core.request import Request
-from schemas.engine import PromptLogprobs
+from formwork.core.request import Request
+from formwork.schemas.engine import PromptLogprobs
 
 
 def scores_prompt(req: Request) -> bool:

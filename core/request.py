@@ -6,8 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from schemas.engine import EngineCoreRequest, FinishReason
-from schemas.sampling import SamplingParams
+from formwork.schemas.engine import EngineCoreRequest, FinishReason
+from formwork.schemas.sampling import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

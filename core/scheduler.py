@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from collections import deque
 
-from core import policy
-from core.interfaces import StructuredOutputManagerProtocol
-from core.kv_cache import KVCacheManager
-from core.plan import PlanBuilder
-from core.request import Request, RequestStatus
-from core.prompt_logprobs import PromptLogprobsCollector, scores_prompt
-from schemas.engine import EngineCoreOutput, Logprob, TokenLogprobs
-from schemas.scheduler import ModelRunnerOutput, SchedulerOutput
+from formwork.core import policy
+from formwork.core.interfaces import StructuredOutputManagerProtocol
+from formwork.core.kv_cache import KVCacheManager
+from formwork.core.plan import PlanBuilder
+from formwork.core.request import Request, RequestStatus
+from formwork.core.prompt_logprobs import PromptLogprobsCollector, scores_prompt
+from formwork.schemas.engine import EngineCoreOutput, Logprob, TokenLogprobs
+from formwork.schemas.scheduler import ModelRunnerOutput, SchedulerOutput
 
 _WAITING = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.PREEMPTED)
 

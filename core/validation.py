@@ -2,11 +2,11 @@
 later). The gateway imports core, never grammar: this is its door."""
 from __future__ import annotations
 
-from schemas.structured import StructuredOutputsParams
+from formwork.schemas.structured import StructuredOutputsParams
 
 
 def validate_structured(params: StructuredOutputsParams, default_backend: str = "auto") -> None:
     """Raises ValueError naming the problem (keyword + JSON path for schemas,
     syntax errors for regex/grammar). Compiles no grammar against a tokenizer."""
-    from grammar.selection import choose_backend
+    from formwork.grammar.selection import choose_backend
     choose_backend(params, default_backend)

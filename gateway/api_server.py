@@ -20,16 +20,16 @@ from typing import Any
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from core.engine_proc import cuda_graphs_text
-from gateway.engine_client import EngineClient
-from gateway.errors import APIError, EngineDeadError, install_error_handlers
-from gateway.metrics import CONTENT_TYPE, Metrics
-from gateway.serving import ServerState
-from gateway.serving_chat import create_chat_completion
-from gateway.serving_completion import create_completion
-from gateway.serving_tokenize import detokenize, tokenize
-from schemas.config import EngineConfig
-from schemas.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+from formwork.core.engine_proc import cuda_graphs_text
+from formwork.gateway.engine_client import EngineClient
+from formwork.gateway.errors import APIError, EngineDeadError, install_error_handlers
+from formwork.gateway.metrics import CONTENT_TYPE, Metrics
+from formwork.gateway.serving import ServerState
+from formwork.gateway.serving_chat import create_chat_completion
+from formwork.gateway.serving_completion import create_completion
+from formwork.gateway.serving_tokenize import detokenize, tokenize
+from formwork.schemas.config import EngineConfig
+from formwork.schemas.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                             ModelList)
 
 log = logging.getLogger("formwork.gateway")
@@ -127,7 +127,7 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        from core.tokenizer import load_tokenizer
+        from formwork.core.tokenizer import load_tokenizer
         t0 = time.monotonic()
         engine = EngineClient(config)
         # the engine process loads the model while this one loads the tokenizer

@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.errors import bad_request
-from gateway.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolMode
-from schemas.openai import ChatMessage
+from formwork.gateway.errors import bad_request
+from formwork.gateway.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolMode
+from formwork.schemas.openai import ChatMessage
 
 TOOLS_PROMPT = (
     "# Tools\n\n"

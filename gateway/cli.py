@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from schemas.config import DTYPES, EngineConfig
+from formwork.schemas.config import DTYPES, EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,7 +76,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from gateway.api_server import run_server
+    from formwork.gateway.api_server import run_server
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -96,7 +96,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     add_serve_arguments(sub.add_parser("serve", help="run the OpenAI-compatible server"))
     extract = sub.add_parser("extract", help="extract structured data from text with a schema")
     if argv[:1] == ["extract"]:
-        from gateway import extract as extract_mod
+        from formwork.gateway import extract as extract_mod
         extract_mod.add_arguments(extract)
     return parser
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     if args.command == "serve":
         return serve(args)
-    from gateway import extract as extract_mod
+    from formwork.gateway import extract as extract_mod
     return extract_mod.run(args)
 
 

@@ -23,13 +23,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from core.engine_proc import READY_CALL_ID, run_engine_core
-from gateway.errors import PARAM_PREFIX, APIError, EngineDeadError
-from gateway.output_processor import OutputProcessor, RequestOutput
-from schemas.config import EngineConfig
-from schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreUtility, EngineStats,
+from formwork.core.engine_proc import READY_CALL_ID, run_engine_core
+from formwork.gateway.errors import PARAM_PREFIX, APIError, EngineDeadError
+from formwork.gateway.output_processor import OutputProcessor, RequestOutput
+from formwork.schemas.config import EngineConfig
+from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreUtility, EngineStats,
                             InputMessage)
-from schemas.sampling import SamplingParams
+from formwork.schemas.sampling import SamplingParams
 
 log = logging.getLogger("formwork.gateway")
 

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from schemas.openai import ErrorInfo, ErrorResponse
+from formwork.schemas.openai import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("formwork.gateway")
 

@@ -50,11 +50,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.extract_io import (DEFAULT_GLOBS, Document, RecordSink, Summary, UsageError,
+from formwork.gateway.extract_io import (DEFAULT_GLOBS, Document, RecordSink, Summary, UsageError,
                                 collect_documents, done_ids, judge, load_schema, make_record,
                                 make_validator)
-from schemas.sampling import SamplingParams
-from schemas.structured import StructuredOutputsParams
+from formwork.schemas.sampling import SamplingParams
+from formwork.schemas.structured import StructuredOutputsParams
 
 DEFAULT_INSTRUCTIONS = (
     "Extract the information described by the JSON schema below from the document the user "
@@ -187,7 +187,7 @@ def extract_offline(llm, docs: list[Document], opts: ExtractOptions, emit, *,
 
 # -- command line ---------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gateway.cli import add_engine_arguments
+    from formwork.gateway.cli import add_engine_arguments
 
     p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     p.add_argument("inputs", nargs="+", metavar="INPUT",
@@ -252,8 +252,8 @@ def _prepare(args: argparse.Namespace) -> tuple[ExtractOptions, list[Document]]:
 
 
 def _load_llm(args: argparse.Namespace, quiet: bool):
-    from gateway.cli import engine_config
-    from gateway.llm import LLM
+    from formwork.gateway.cli import engine_config
+    from formwork.gateway.llm import LLM
 
     try:
         config = engine_config(args)
@@ -280,7 +280,7 @@ def run(args: argparse.Namespace, *, llm=None) -> int:
                   file=sys.stderr)
             return 0
         if args.server:
-            from gateway.extract_server import extract_server
+            from formwork.gateway.extract_server import extract_server
             t0 = time.perf_counter()
             asyncio.run(extract_server(
                 docs, opts, emit, base_url=args.server, api_key=args.api_key,

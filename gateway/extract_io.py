@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import jsonschema
 
-from schemas.structured import StructuredOutputsParams
+from formwork.schemas.structured import StructuredOutputsParams
 
 DEFAULT_GLOBS = ("*.txt", "*.md")
 
@@ -89,12 +89,7 @@ def check_schema(schema, where: str = "schema") -> None:
     except jsonschema.SchemaError as e:
         at = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
         raise UsageError(f"--schema {where}: invalid JSON Schema at {at}: {e.message}") from None
-    try:
-        from core.validation import validate_structured
-    except ModuleNotFoundError as e:
-        if e.name != "core.validation":
-            raise
-        return
+    from formwork.core.validation import validate_structured  # pulls in grammar backends: lazily
     try:
         validate_structured(StructuredOutputsParams(json=schema))
     except ValueError as e:

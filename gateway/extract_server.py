@@ -19,8 +19,8 @@ import urllib.parse
 
 import httpx
 
-from gateway.extract import ExtractOptions, build_messages, fitted_prompt, warn
-from gateway.extract_io import Document, UsageError, judge, make_record, make_validator
+from formwork.gateway.extract import ExtractOptions, build_messages, fitted_prompt, warn
+from formwork.gateway.extract_io import Document, UsageError, judge, make_record, make_validator
 
 NO_ROUTE = (404, 405, 501)
 

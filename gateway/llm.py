@@ -1,6 +1,6 @@
 """Offline API, shaped like vLLM's:
 
-    from gateway import LLM, SamplingParams
+    from formwork import LLM, SamplingParams
     llm = LLM()                                  # default SmolLM2-135M-Instruct
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
     outs[0].outputs[0].text, .token_ids, .finish_reason
@@ -14,10 +14,10 @@ import itertools
 import time
 from typing import Any, Callable, Sequence
 
-from core.engine_core import EngineCore
-from gateway.output_processor import OutputProcessor, RequestOutput
-from schemas.config import EngineConfig
-from schemas.sampling import SamplingParams
+from formwork.core.engine_core import EngineCore
+from formwork.gateway.output_processor import OutputProcessor, RequestOutput
+from formwork.schemas.config import EngineConfig
+from formwork.schemas.sampling import SamplingParams
 
 PromptType = str | dict[str, Any]
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
-from schemas.engine import (EngineCoreOutput, EngineCoreRequest, FinishReason, PromptLogprobs,
+from formwork.schemas.engine import (EngineCoreOutput, EngineCoreRequest, FinishReason, PromptLogprobs,
                             TokenLogprobs)
-from schemas.sampling import SamplingParams
+from formwork.schemas.sampling import SamplingParams
 
 
 @dataclass(slots=True)

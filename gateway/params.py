@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.errors import APIError, bad_request
-from schemas.openai import ChatCompletionRequest, CompletionRequest
-from schemas.sampling import SamplingParams
-from schemas.structured import StructuredOutputsParams
+from formwork.gateway.errors import APIError, bad_request
+from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
+from formwork.schemas.sampling import SamplingParams
+from formwork.schemas.structured import StructuredOutputsParams
 
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
@@ -61,7 +61,7 @@ def structured_from_request(
 def validate_constraint(params: StructuredOutputsParams, source: str,
                         default_backend: str = "auto") -> None:
     """Check the constraint before it is queued: a bad schema / regex / grammar is a 400."""
-    from core.validation import validate_structured  # pulls in grammar backends: lazily
+    from formwork.core.validation import validate_structured  # pulls in grammar backends: lazily
     try:
         params.validate()
         validate_structured(params, default_backend)

@@ -10,11 +10,11 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Request
 
-from gateway.engine_client import EngineClient, EngineRequestError
-from gateway.errors import APIError
-from gateway.metrics import Metrics, RequestTimer
-from gateway.output_processor import RequestOutput
-from schemas.sampling import SamplingParams
+from formwork.gateway.engine_client import EngineClient, EngineRequestError
+from formwork.gateway.errors import APIError
+from formwork.gateway.metrics import Metrics, RequestTimer
+from formwork.gateway.output_processor import RequestOutput
+from formwork.schemas.sampling import SamplingParams
 
 T = TypeVar("T")
 

@@ -10,23 +10,23 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.chat import build_chat_prompt
-from gateway.errors import APIError
-from gateway.metrics import RequestTimer
-from gateway.output_processor import CompletionOutput, RequestOutput
-from gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens,
+from formwork.gateway.chat import build_chat_prompt
+from formwork.gateway.errors import APIError
+from formwork.gateway.metrics import RequestTimer
+from formwork.gateway.output_processor import CompletionOutput, RequestOutput
+from formwork.gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens,
                             explicit_prompt_logprobs, sampling_params, structured_from_request,
                             validate_constraint)
-from gateway.serving import (ServerState, TokenText, blame, generate_final,
+from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
-from gateway.serving_completion import prompt_logprobs_field
-from gateway.tools import (ToolMode, ToolStreamParser, finish_reason_with_tools,
+from formwork.gateway.serving_completion import prompt_logprobs_field
+from formwork.gateway.tools import (ToolMode, ToolStreamParser, finish_reason_with_tools,
                            parse_tool_output, resolve_tool_mode, tool_constraint)
-from schemas.engine import TokenLogprobs
-from schemas.openai import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+from formwork.schemas.engine import TokenLogprobs
+from formwork.schemas.openai import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                             ChatCompletionResponse, ChatStreamChoice, ChoiceLogprobs, DeltaMessage,
                             ResponseMessage, TokenLogprob, TopLogprob, UsageInfo, random_id)
-from schemas.sampling import SamplingParams
+from formwork.schemas.sampling import SamplingParams
 
 
 @dataclass(slots=True)

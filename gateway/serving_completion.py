@@ -17,17 +17,17 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.errors import APIError, bad_request
-from gateway.metrics import RequestTimer
-from gateway.output_processor import CompletionOutput, PromptLogprobsList, RequestOutput
-from gateway.params import (context_max_tokens, explicit_prompt_logprobs, sampling_params,
+from formwork.gateway.errors import APIError, bad_request
+from formwork.gateway.metrics import RequestTimer
+from formwork.gateway.output_processor import CompletionOutput, PromptLogprobsList, RequestOutput
+from formwork.gateway.params import (context_max_tokens, explicit_prompt_logprobs, sampling_params,
                             structured_from_request, validate_constraint)
-from gateway.serving import (ServerState, TokenText, blame, generate_final,
+from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
-from schemas.engine import TokenLogprobs
-from schemas.openai import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+from formwork.schemas.engine import TokenLogprobs
+from formwork.schemas.openai import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                             CompletionResponse, PromptLogprob, UsageInfo, random_id)
-from schemas.sampling import SamplingParams
+from formwork.schemas.sampling import SamplingParams
 
 
 @dataclass(slots=True)

@@ -16,11 +16,11 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from gateway.chat import build_chat_prompt
-from gateway.errors import bad_request
-from gateway.serving import ServerState
-from gateway.tools import resolve_tool_mode
-from schemas.openai import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
+from formwork.gateway.chat import build_chat_prompt
+from formwork.gateway.errors import bad_request
+from formwork.gateway.serving import ServerState
+from formwork.gateway.tools import resolve_tool_mode
+from formwork.schemas.openai import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                             TokenizeCompletionRequest, TokenizeResponse)
 
 

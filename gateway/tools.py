@@ -26,10 +26,10 @@ import json
 import re
 from dataclasses import dataclass
 
-from gateway.errors import bad_request
-from schemas.openai import (ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall,
+from formwork.gateway.errors import bad_request
+from formwork.schemas.openai import (ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall,
                             FunctionCall, FunctionDefinition, NamedToolChoice, ToolCall, random_id)
-from schemas.structured import StructuredOutputsParams
+from formwork.schemas.structured import StructuredOutputsParams
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"

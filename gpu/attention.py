@@ -215,7 +215,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, paged_decode: bool | None = None):
         """paged_decode: None -> use the CPU decode kernel if it can be built."""
         if paged_decode is None:
-            from kernels import cpu_decode_attention
+            from formwork.kernels import cpu_decode_attention
             paged_decode = cpu_decode_attention.available()
         self.paged_decode = paged_decode
         # Gathered K/V land in two reused buffers instead of fresh tensors: a
@@ -266,7 +266,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _paged_decode(q, k_cache, v_cache, rows: DecodeRows, scale: float, out: torch.Tensor) -> None:
     """Decode rows of q [T, H, D] -> their rows of out, read straight from the paged cache."""
-    from kernels.cpu_decode_attention import paged_decode_attention
+    from formwork.kernels.cpu_decode_attention import paged_decode_attention
 
     if rows.token_index is None:
         paged_decode_attention(q, k_cache, v_cache, rows.block_table, rows.seq_lens, scale, out=out)
@@ -308,6 +308,6 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
     if name == "torch":
         return TorchAttentionBackend(paged_decode=None if device.type == "cpu" else False)
     if name == "triton":
-        from gpu.attention_triton import TritonAttentionBackend
+        from formwork.gpu.attention_triton import TritonAttentionBackend
         return TritonAttentionBackend()
     raise ValueError(f"attention backend {name!r}: expected 'auto', 'torch' or 'triton'")

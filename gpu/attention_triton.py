@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from gpu.attention import AttentionBackend, AttentionMetadata
-from kernels.kv_store import store_kv
-from kernels.paged_attention import paged_attention
+from formwork.gpu.attention import AttentionBackend, AttentionMetadata
+from formwork.kernels.kv_store import store_kv
+from formwork.kernels.paged_attention import paged_attention
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -21,7 +21,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from gpu.attention import AttentionMetadata
+from formwork.gpu.attention import AttentionMetadata
 
 MAX_CAPTURE_SIZE = 512
 

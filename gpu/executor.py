@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.attention import allocate_kv_cache, get_attention_backend, kv_cache_bytes_per_block
-from gpu.cuda_graph import DecodeGraphRunner, GraphFactory, capture_sizes, pick_graph_factory
-from gpu.loader import load_model
-from gpu.model import ModelConfig
-from gpu.model_runner import ModelRunner
-from schemas.config import EngineConfig
-from schemas.scheduler import ModelRunnerOutput, SchedulerOutput
+from formwork.gpu.attention import allocate_kv_cache, get_attention_backend, kv_cache_bytes_per_block
+from formwork.gpu.cuda_graph import DecodeGraphRunner, GraphFactory, capture_sizes, pick_graph_factory
+from formwork.gpu.loader import load_model
+from formwork.gpu.model import ModelConfig
+from formwork.gpu.model_runner import ModelRunner
+from formwork.schemas.config import EngineConfig
+from formwork.schemas.scheduler import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger("formwork.executor")
 

@@ -143,7 +143,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype, device: torc
     also be swapped later through `model.attn_backend`."""
     from safetensors.torch import load_file
 
-    from gpu.model import LlamaForCausalLM, ModelConfig
+    from formwork.gpu.model import LlamaForCausalLM, ModelConfig
 
     model_dir = pathlib.Path(model_dir)
     check_model_dir(model_dir)

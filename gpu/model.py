@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from formwork.gpu.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

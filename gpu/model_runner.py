@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu.attention import AttentionMetadata
-from gpu.cuda_graph import DecodeGraphRunner
-from gpu.sampler import Sampler, SamplingBatch, score_prompt
-from schemas.sampling import SamplingParams
-from schemas.scheduler import ModelRunnerOutput, SchedulerOutput
+from formwork.gpu.attention import AttentionMetadata
+from formwork.gpu.cuda_graph import DecodeGraphRunner
+from formwork.gpu.sampler import Sampler, SamplingBatch, score_prompt
+from formwork.schemas.sampling import SamplingParams
+from formwork.schemas.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.bitmask import apply_bitmask
-from schemas.engine import Logprob, PromptLogprobs
+from formwork.kernels.bitmask import apply_bitmask
+from formwork.schemas.engine import Logprob, PromptLogprobs
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from schemas.structured import StructuredOutputsParams
+from formwork.schemas.structured import StructuredOutputsParams
 
 
 def bitmask_words(vocab_size: int) -> int:

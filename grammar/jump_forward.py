@@ -7,8 +7,8 @@ so only tokens the matcher allows are ever returned.
 """
 from __future__ import annotations
 
-from grammar.backend import Matcher
-from grammar.vocab import TokenVocab
+from formwork.grammar.backend import Matcher
+from formwork.grammar.vocab import TokenVocab
 
 
 def forced_tokens(matcher: Matcher, tokenizer, vocab: TokenVocab) -> list[int]:

@@ -17,13 +17,13 @@ from typing import Literal
 
 import torch
 
-from grammar.backend import CompiledGrammar, GrammarBackend, Matcher, allocate_bitmask
-from grammar.jump_forward import forced_tokens
-from grammar.outlines_backend import OutlinesBackend
-from grammar.selection import choose_backend
-from grammar.vocab import TokenVocab
-from grammar.xgrammar_backend import XGrammarBackend
-from schemas.structured import StructuredOutputsParams
+from formwork.grammar.backend import CompiledGrammar, GrammarBackend, Matcher, allocate_bitmask
+from formwork.grammar.jump_forward import forced_tokens
+from formwork.grammar.outlines_backend import OutlinesBackend
+from formwork.grammar.selection import choose_backend
+from formwork.grammar.vocab import TokenVocab
+from formwork.grammar.xgrammar_backend import XGrammarBackend
+from formwork.schemas.structured import StructuredOutputsParams
 
 Status = Literal["pending", "ready", "failed"]
 

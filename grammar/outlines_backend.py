@@ -12,17 +12,17 @@ from collections.abc import Sequence
 import outlines_core as oc
 import torch
 
-from grammar.backend import (
+from formwork.grammar.backend import (
     CompiledGrammar,
     GrammarBackend,
     Matcher,
     bitmask_words,
     set_only_tokens,
 )
-from grammar.outlines_worker import build_index, build_json_regex
-from grammar.schema_check import check_schema
-from grammar.vocab import TokenVocab
-from schemas.structured import StructuredOutputsParams
+from formwork.grammar.outlines_worker import build_index, build_json_regex
+from formwork.grammar.schema_check import check_schema
+from formwork.grammar.vocab import TokenVocab
+from formwork.schemas.structured import StructuredOutputsParams
 
 MAX_ROLLBACK = 256          # tokens a matcher can roll back
 _JUMP_MAX_CANDIDATES = 256  # states allowing more tokens than this force nothing useful

@@ -16,16 +16,16 @@ from typing import Any
 
 import jsonschema
 
-from grammar.schema_rewrites import drop_implied_lengths
-from grammar.schema_rules import (
+from formwork.grammar.schema_rewrites import drop_implied_lengths
+from formwork.grammar.schema_rules import (
     XGRAMMAR_FORMAT_LENGTHS,
     common_issues,
     ref_issues,
     outlines_only_issues,
     xgrammar_only_issues,
 )
-from grammar.schema_normalize import map_subschemas, normalize
-from grammar.schema_walk import (
+from formwork.grammar.schema_normalize import map_subschemas, normalize
+from formwork.grammar.schema_walk import (
     SchemaNode,
     child_path,
     is_legacy_draft,

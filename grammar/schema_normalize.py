@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from grammar.schema_oneof import inferred_types
-from grammar.schema_rewrites import (
+from formwork.grammar.schema_oneof import inferred_types
+from formwork.grammar.schema_rewrites import (
     complete_array,
     declare_required,
     drop_inapplicable,
@@ -34,7 +34,7 @@ from grammar.schema_rewrites import (
     fold_pattern_lengths,
     split_typeless,
 )
-from grammar.schema_walk import is_legacy_draft, resolve_local_ref, validator_class
+from formwork.grammar.schema_walk import is_legacy_draft, resolve_local_ref, validator_class
 
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment",
                          "deprecated", "readOnly", "writeOnly", "$id", "id", "$schema"})

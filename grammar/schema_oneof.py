@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from grammar.schema_walk import resolve_local_ref
+from formwork.grammar.schema_walk import resolve_local_ref
 
 ALL_TYPES = frozenset({"null", "boolean", "object", "array", "number", "integer", "string"})
 _MAX_DEPTH = 8

@@ -21,9 +21,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from grammar.schema_lengths import fold_lengths
-from grammar.schema_oneof import ALL_TYPES, emitted_forms, inferred_types
-from grammar.schema_rules import ARRAY, ASSERTIONS, NUMERIC, OBJECT, STRING
+from formwork.grammar.schema_lengths import fold_lengths
+from formwork.grammar.schema_oneof import ALL_TYPES, emitted_forms, inferred_types
+from formwork.grammar.schema_rules import ARRAY, ASSERTIONS, NUMERIC, OBJECT, STRING
 
 MAX_DEPENDENCY_BRANCHES = 8
 DEPENDENCY_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas")

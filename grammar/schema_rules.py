@@ -23,15 +23,15 @@ import json
 import re
 from typing import Any
 
-from grammar.regex_safety import pattern_is_json_safe
-from grammar.schema_oneof import (
+from formwork.grammar.regex_safety import pattern_is_json_safe
+from formwork.grammar.schema_oneof import (
     branches_imply_type,
     emitted_forms,
     inferred_types as _types,
     pairwise_disjoint,
     patterns_disjoint,
 )
-from grammar.schema_walk import SchemaNode, is_legacy_draft, resolve_local_ref
+from formwork.grammar.schema_walk import SchemaNode, is_legacy_draft, resolve_local_ref
 
 NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 STRING = ("minLength", "maxLength", "pattern")

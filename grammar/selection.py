@@ -7,9 +7,9 @@ Explicit backends are checked the same way and never substituted.
 """
 from __future__ import annotations
 
-from grammar.outlines_backend import to_regex
-from grammar.xgrammar_backend import to_xgrammar
-from schemas.structured import StructuredOutputsParams
+from formwork.grammar.outlines_backend import to_regex
+from formwork.grammar.xgrammar_backend import to_xgrammar
+from formwork.schemas.structured import StructuredOutputsParams
 
 _CHECKS = {"xgrammar": to_xgrammar, "outlines": to_regex}
 _OUTLINES_KINDS = ("json", "regex", "choice")

@@ -14,8 +14,8 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from grammar.schema_check import SchemaIssue, UnsupportedSchemaError
-from schemas.structured import StructuredOutputsParams
+from formwork.grammar.schema_check import SchemaIssue, UnsupportedSchemaError
+from formwork.schemas.structured import StructuredOutputsParams
 
 
 def _max_ws(params: StructuredOutputsParams) -> int:

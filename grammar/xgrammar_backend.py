@@ -13,12 +13,12 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from grammar.backend import CompiledGrammar, GrammarBackend, Matcher, set_only_tokens
-from grammar.native_log import call_capturing_warnings
-from grammar.schema_check import SchemaIssue, UnsupportedSchemaError, check_schema
-from grammar.structural_tag import structural_tag_spec
-from grammar.vocab import TokenVocab, VocabKind
-from schemas.structured import StructuredOutputsParams
+from formwork.grammar.backend import CompiledGrammar, GrammarBackend, Matcher, set_only_tokens
+from formwork.grammar.native_log import call_capturing_warnings
+from formwork.grammar.schema_check import SchemaIssue, UnsupportedSchemaError, check_schema
+from formwork.grammar.structural_tag import structural_tag_spec
+from formwork.grammar.vocab import TokenVocab, VocabKind
+from formwork.schemas.structured import StructuredOutputsParams
 
 _VOCAB_TYPES = {VocabKind.BYTE_LEVEL: xgr.VocabType.BYTE_LEVEL,
                 VocabKind.BYTE_FALLBACK: xgr.VocabType.BYTE_FALLBACK,

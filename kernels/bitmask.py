@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import check_launch_device, lazy_jit
+from formwork.kernels._jit import check_launch_device, lazy_jit
 
 Indices = torch.Tensor | Sequence[int] | None
 

@@ -225,7 +225,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                out: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: the unified paged-attention reference with one query per sequence."""
-    from kernels.paged_attention import paged_attention_ref
+    from formwork.kernels.paged_attention import paged_attention_ref
 
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_attention_ref(q, k_cache, v_cache, block_table, qsl, seq_lens, scale, out)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import check_launch_device, interpreting, lazy_jit
+from formwork.kernels._jit import check_launch_device, interpreting, lazy_jit
 
 _LOG2E = 1.4426950408889634
 

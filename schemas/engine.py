@@ -9,7 +9,7 @@ import time
 
 import msgspec
 
-from schemas.sampling import SamplingParams
+from formwork.schemas.sampling import SamplingParams
 
 
 class FinishReason(str, enum.Enum):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
-from schemas.structured import StructuredOutputsParams
+from formwork.schemas.structured import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.engine import PromptLogprobs
-from schemas.sampling import SamplingParams
+from formwork.schemas.engine import PromptLogprobs
+from formwork.schemas.sampling import SamplingParams
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 @pytest.fixture(scope="session")
 def default_model_dir() -> pathlib.Path:
     """HF-format directory of the default model (converted from GGUF once, cached)."""
-    from gpu.loader import resolve_model
+    from formwork.gpu.loader import resolve_model
 
     return resolve_model(None)
 

@@ -4,8 +4,8 @@ different shapes."""
 import pytest
 import torch
 
-from gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache
-from kernels.paged_attention import paged_attention_ref
+from formwork.gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache
+from formwork.kernels.paged_attention import paged_attention_ref
 
 
 def _case(gen, query_lens, seq_lens, bs=8, heads=6, kv_heads=2, dim=16, num_blocks=64,

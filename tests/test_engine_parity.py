@@ -4,7 +4,7 @@ prefill, after a prefix-cache hit, or after preemption and recompute."""
 import pytest
 import torch
 
-from gateway import LLM, SamplingParams
+from formwork import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,9 @@ import sys
 import jsonschema
 import pytest
 
-from gateway import extract
-from gateway.extract_io import Document, UsageError, collect_documents, judge, make_validator
+import formwork.gateway.llm
+from formwork.gateway import extract
+from formwork.gateway.extract_io import Document, UsageError, collect_documents, judge, make_validator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCHEMA = {
@@ -109,8 +110,7 @@ class NoModel:
 ])
 def test_bad_schema_is_a_usage_error_before_any_model(tmp_path, monkeypatch, capsys,
                                                      schema_text, expected):
-    import gateway.llm
-    monkeypatch.setattr(gateway.llm, "LLM", NoModel)
+    monkeypatch.setattr(formwork.gateway.llm, "LLM", NoModel)
     (tmp_path / "s.json").write_text(schema_text)
     write_tree(tmp_path / "docs", DOCS)
     out = tmp_path / "out.jsonl"
@@ -123,8 +123,7 @@ def test_bad_schema_is_a_usage_error_before_any_model(tmp_path, monkeypatch, cap
 
 
 def test_bad_pydantic_reference_is_a_usage_error(tmp_path, monkeypatch, capsys):
-    import gateway.llm
-    monkeypatch.setattr(gateway.llm, "LLM", NoModel)
+    monkeypatch.setattr(formwork.gateway.llm, "LLM", NoModel)
     (tmp_path / "m.py").write_text(MODEL_FILE)
     write_tree(tmp_path / "docs", DOCS)
     for spec, expected in ((f"{tmp_path}/m.py:Nobody", "AttributeError"),
@@ -137,7 +136,7 @@ def test_bad_pydantic_reference_is_a_usage_error(tmp_path, monkeypatch, capsys):
 def test_example_schemas_load_and_agree():
     """The shipped examples pass every check, and the pydantic contact model
     demands what contact.json demands."""
-    from gateway.extract_io import load_schema
+    from formwork.gateway.extract_io import load_schema
     load_schema(str(ROOT / "examples/schemas/invoice.json"))
     js = load_schema(str(ROOT / "examples/schemas/contact.json"))
     py = load_schema(str(ROOT / "examples/schemas/contact_model.py:Contact"))
@@ -160,7 +159,7 @@ def test_cli_bad_schema_exits_2(tmp_path):
     (tmp_path / "s.json").write_text('{"type": "objekt"}')
     out = tmp_path / "out.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "extract", "--schema", str(tmp_path / "s.json"),
+        [sys.executable, "-m", "formwork.gateway.cli", "extract", "--schema", str(tmp_path / "s.json"),
          str(ROOT / "examples/docs/contacts"), "-o", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -214,7 +213,7 @@ def test_judge_matches_jsonschema(text, finish, valid, error):
 # -- the real model ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm():
-    from gateway.llm import LLM
+    from formwork.gateway.llm import LLM
     engine = LLM(max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
     yield engine
     engine.shutdown()
@@ -329,7 +328,7 @@ def test_too_long_document_is_truncated_or_skipped(llm, tmp_path, schema_file, c
 def test_cli_stdin_to_stdout(schema_file):
     """The real console entry point: one document on stdin, one record on stdout."""
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "extract", "--schema", str(schema_file), "-",
+        [sys.executable, "-m", "formwork.gateway.cli", "extract", "--schema", str(schema_file), "-",
          "--max-tokens", str(MAX_TOKENS), "--max-model-len", str(MAX_MODEL_LEN),
          "--allow-failures"],
         input=DOCS["a.txt"], cwd=ROOT, capture_output=True, text=True, timeout=1200,

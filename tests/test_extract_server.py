@@ -15,8 +15,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from gateway import extract
-from gateway.extract_io import Document
+from formwork.gateway import extract
+from formwork.gateway.extract_io import Document
 from test_extract import DOCS as BASE_DOCS
 from test_extract import MAX_MODEL_LEN, MAX_TOKENS, SCHEMA, parse
 from test_server import KEY, Server, free_port

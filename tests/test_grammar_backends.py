@@ -15,12 +15,12 @@ import jsonschema
 import pytest
 import torch
 
-from grammar.backend import allocate_bitmask, allowed_mask, allowed_token_ids
-from grammar.jump_forward import forced_tokens
-from grammar.outlines_backend import OutlinesBackend
-from grammar.vocab import TokenVocab
-from grammar.xgrammar_backend import XGrammarBackend
-from schemas.structured import StructuredOutputsParams as P
+from formwork.grammar.backend import allocate_bitmask, allowed_mask, allowed_token_ids
+from formwork.grammar.jump_forward import forced_tokens
+from formwork.grammar.outlines_backend import OutlinesBackend
+from formwork.grammar.vocab import TokenVocab
+from formwork.grammar.xgrammar_backend import XGrammarBackend
+from formwork.schemas.structured import StructuredOutputsParams as P
 
 VOCAB = 49152
 PERSON = {"type": "object", "properties": {
@@ -98,7 +98,7 @@ BACKEND_KINDS = [(b, k) for b in ("xgrammar", "outlines") for k in CASES
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from core.tokenizer import load_tokenizer
+    from formwork.core.tokenizer import load_tokenizer
     return load_tokenizer(None)
 
 
@@ -256,7 +256,7 @@ def test_structural_tag_tool_calls(backends, tokenizer, vocab):
 def test_outlines_index_build_is_isolated_and_bounded():
     import outlines_core as oc
 
-    from grammar.outlines_worker import build_index
+    from formwork.grammar.outlines_worker import build_index
 
     vocabulary = oc.Vocabulary(9, {b"a": [0], b"b": [1]})
     index = build_index("[ab]{2,3}", vocabulary, timeout_s=30.0)

@@ -1,7 +1,8 @@
 """Schema coverage on a fixed slice of the JSONSchemaBench sample (the first 2
 schemas of every subset, copied into tests/data/jsonschemabench so the test
 needs nothing outside the checkout, minus two whose compile takes 5-10 s here;
-the full run is `python -m bench.schema_coverage`), through bench/schema_coverage.py.
+the full run is `python bench/schema_coverage.py`), through that script, loaded by path
+(bench/ is not part of the installed package).
 
 The hard guarantee: no invalid instance is accepted by an accepted schema's
 matcher (a finished output always validates). The other numbers are lower
@@ -10,9 +11,18 @@ outlines-core 0.2.14); a drop means a regression in the checks or backends.
 """
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
+
 import pytest
 
-from bench.schema_coverage import SLICE, Runner, load_cases, summarize
+_SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "bench" / "schema_coverage.py"
+_spec = importlib.util.spec_from_file_location("schema_coverage", _SCRIPT)
+schema_coverage = sys.modules["schema_coverage"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(schema_coverage)
+SLICE, Runner, load_cases, summarize = (schema_coverage.SLICE, schema_coverage.Runner,
+                                        schema_coverage.load_cases, schema_coverage.summarize)
 
 SLOW = {"o21173", "sp_115_Normalized"}
 # measured: 20 schemas, 16 accepted; valid instances 42/48 accepted (o16373:
@@ -29,7 +39,7 @@ EXPECTED_REWRITTEN = {"o11794": "required names declared",
 
 @pytest.fixture(scope="module")
 def results():
-    from core.tokenizer import load_tokenizer
+    from formwork.core.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     runner = Runner(tokenizer, len(tokenizer), "auto")

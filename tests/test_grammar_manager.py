@@ -8,9 +8,9 @@ import pytest
 import torch
 from xgrammar.testing import bitmask_to_bool_mask
 
-from grammar.backend import allocate_bitmask, allowed_mask, set_only_tokens
-from grammar.manager import StructuredOutputManager
-from schemas.structured import StructuredOutputsParams as P
+from formwork.grammar.backend import allocate_bitmask, allowed_mask, set_only_tokens
+from formwork.grammar.manager import StructuredOutputManager
+from formwork.schemas.structured import StructuredOutputsParams as P
 
 VOCAB = 49152
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
@@ -19,7 +19,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from core.tokenizer import load_tokenizer
+    from formwork.core.tokenizer import load_tokenizer
     return load_tokenizer(None)
 
 

@@ -18,9 +18,9 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from grammar.native_log import call_capturing_warnings
-from grammar.schema_check import check_metaschema, check_schema, find_issues
-from grammar.schema_normalize import merge, normalize
+from formwork.grammar.native_log import call_capturing_warnings
+from formwork.grammar.schema_check import check_metaschema, check_schema, find_issues
+from formwork.grammar.schema_normalize import merge, normalize
 
 OBJ_AB = {"a": {"type": "integer"}, "b": {"type": "integer"}}
 
@@ -204,9 +204,9 @@ def test_merge_refuses_what_a_plain_union_would_change():
 
 
 def test_native_warnings_become_rejections():
-    from grammar.schema_check import UnsupportedSchemaError
-    from grammar.xgrammar_backend import to_xgrammar
-    from schemas.structured import StructuredOutputsParams
+    from formwork.grammar.schema_check import UnsupportedSchemaError
+    from formwork.grammar.xgrammar_backend import to_xgrammar
+    from formwork.schemas.structured import StructuredOutputsParams
 
     lookahead = {"type": "string", "pattern": "^(?=.*a)[a-z]+$"}   # xgrammar drops (?=...)
     assert find_issues(lookahead, "xgrammar") == []                 # the static rules pass it

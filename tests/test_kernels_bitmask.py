@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.bitmask import (  # noqa: E402
+from formwork.kernels.bitmask import (  # noqa: E402
     apply_bitmask,
     apply_bitmask_ref,
     apply_bitmask_torch,

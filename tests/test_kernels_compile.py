@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import bitmask, kv_store, paged_attention
+from formwork.kernels import bitmask, kv_store, paged_attention
 
 pytestmark = pytest.mark.slow  # a few seconds per compile on a CPU
 

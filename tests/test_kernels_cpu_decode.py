@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_decode_attention as cda
+from formwork.kernels import cpu_decode_attention as cda
 
 # Every machine this project targets has a C++ compiler (the CI image included):
 # there, a failed build is a failure, not a skip.

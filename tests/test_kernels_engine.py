@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache  # noqa: E402
-from gpu.attention_triton import TritonAttentionBackend  # noqa: E402
+from formwork.gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache  # noqa: E402
+from formwork.gpu.attention_triton import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -77,7 +77,7 @@ def _greedy(model, prompts, schedule, new_tokens, block_size=8):
 def test_model_greedy_outputs_match_torch_backend(tiny_model_dir):
     """Tiny Llama, fp32: ragged prompts, a prefill split in two chunks (the
     second over cached blocks) batched with a decode, then batched decodes."""
-    from gpu.loader import load_model
+    from formwork.gpu.loader import load_model
 
     model = load_model(tiny_model_dir, dtype=torch.float32, device=torch.device(DEVICE))
     gen = torch.Generator().manual_seed(3)
@@ -94,7 +94,7 @@ def test_model_greedy_outputs_match_torch_backend(tiny_model_dir):
 @pytest.mark.slow
 def test_greedy_outputs_match_torch_backend(tiny_model_dir):
     """Ragged prompts, chunked prefill (budget 16 tokens) over cached blocks, decodes."""
-    from gateway import LLM, SamplingParams
+    from formwork import LLM, SamplingParams
 
     gen = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(0, 49152, (n,), generator=gen).tolist()}

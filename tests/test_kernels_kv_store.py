@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
+from formwork.kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

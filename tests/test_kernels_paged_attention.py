@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from formwork.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from core.kv_cache import KVCacheManager
-from core.request import Request
-from schemas.sampling import SamplingParams
+from formwork.core.kv_cache import KVCacheManager
+from formwork.core.request import Request
+from formwork.schemas.sampling import SamplingParams
 
 BS = 4
 

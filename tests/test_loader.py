@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from gpu import loader
-from gpu.loader import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model
+from formwork.gpu import loader
+from formwork.gpu.loader import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model
 
 
 def test_default_model_resolves_to_cached_hf_dir(default_model_dir):
@@ -37,7 +37,7 @@ def test_gguf_path_uses_same_cache(default_model_dir):
 
 
 def test_default_tokenizer_has_chat_template(default_model_dir):
-    from core.tokenizer import load_tokenizer as core_load_tokenizer
+    from formwork.core.tokenizer import load_tokenizer as core_load_tokenizer
 
     tok = core_load_tokenizer(None)
     assert len(tok) == 49152 and tok.eos_token == "<|im_end|>"

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache
-from gpu.loader import load_model, load_tokenizer
-from gpu.model import ModelConfig
+from formwork.gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache
+from formwork.gpu.loader import load_model, load_tokenizer
+from formwork.gpu.model import ModelConfig
 
 CPU = torch.device("cpu")
 
@@ -144,7 +144,7 @@ def test_slot_minus_one_rows_are_not_written():
     meta = AttentionMetadata.build([6, 1], [6, 3], [[2, -1], [5]], bs, CPU)
     assert meta.slot_mapping.tolist() == [8, 9, 10, 11, -1, -1, 22]
     k = torch.arange(1, 8, dtype=torch.float32)[:, None, None].expand(7, kvh, d).contiguous()
-    from gpu.attention import store_kv
+    from formwork.gpu.attention import store_kv
     store_kv(k, k.clone(), k_cache, v_cache, meta)
     written = k_cache.view(-1, kvh, d)[:, 0, 0]
     assert written.nonzero().flatten().tolist() == [8, 9, 10, 11, 22]
@@ -219,7 +219,7 @@ def test_model_config_llama3_rope_matches_transformers():
             "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
     hf_cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072,
                          rope_parameters=rope)
-    from gpu.model import rope_inv_freq
+    from formwork.gpu.model import rope_inv_freq
     cfg = ModelConfig.from_dict(hf_cfg.to_dict())
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["factor"] == 8.0
     expect, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")

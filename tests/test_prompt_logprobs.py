@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway import LLM, SamplingParams
-from gpu.sampler import score_prompt
+from formwork import LLM, SamplingParams
+from formwork.gpu.sampler import score_prompt
 
 K = 3
 TOL = 1e-4

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.sampler import Sampler, SamplingBatch, apply_penalties
+from formwork.gpu.sampler import Sampler, SamplingBatch, apply_penalties
 
 V = 50
 

@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import event, given, settings, strategies as st
 
-from core import policy
-from core.kv_cache import KVCacheManager
-from core.request import Request, RequestStatus
-from core.scheduler import Scheduler
-from schemas.engine import FinishReason
-from schemas.sampling import SamplingParams
-from schemas.scheduler import ModelRunnerOutput, SchedulerOutput
-from schemas.structured import StructuredOutputsParams
+from formwork.core import policy
+from formwork.core.kv_cache import KVCacheManager
+from formwork.core.request import Request, RequestStatus
+from formwork.core.scheduler import Scheduler
+from formwork.schemas.engine import FinishReason
+from formwork.schemas.sampling import SamplingParams
+from formwork.schemas.scheduler import ModelRunnerOutput, SchedulerOutput
+from formwork.schemas.structured import StructuredOutputsParams
 
 BS = 4
 EOS = 3

@@ -17,12 +17,12 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from grammar.backend import allocate_bitmask, allowed_token_ids
-from grammar.schema_check import UnsupportedSchemaError, check_schema, find_issues
-from grammar.schema_lengths import fold_lengths
-from grammar.schema_oneof import pairwise_disjoint
-from grammar.xgrammar_backend import to_xgrammar
-from schemas.structured import StructuredOutputsParams
+from formwork.grammar.backend import allocate_bitmask, allowed_token_ids
+from formwork.grammar.schema_check import UnsupportedSchemaError, check_schema, find_issues
+from formwork.grammar.schema_lengths import fold_lengths
+from formwork.grammar.schema_oneof import pairwise_disjoint
+from formwork.grammar.xgrammar_backend import to_xgrammar
+from formwork.schemas.structured import StructuredOutputsParams
 
 D4 = "http://json-schema.org/draft-04/schema#"
 D7 = "http://json-schema.org/draft-07/schema#"

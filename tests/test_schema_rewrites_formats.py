@@ -13,10 +13,10 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from grammar.schema_check import find_issues
-from grammar.schema_rules import XGRAMMAR_FORMAT_LENGTHS
-from grammar.xgrammar_backend import to_xgrammar
-from schemas.structured import StructuredOutputsParams
+from formwork.grammar.schema_check import find_issues
+from formwork.grammar.schema_rules import XGRAMMAR_FORMAT_LENGTHS
+from formwork.grammar.xgrammar_backend import to_xgrammar
+from formwork.schemas.structured import StructuredOutputsParams
 
 _TOKEN = re.compile(r'\s*(?:(?P<str>"(?:[^"\\]|\\.)*")|(?P<cls>\[(?:[^\]\\]|\\.)*\])'
                     r'|(?P<rep>\{\s*\d+\s*,\s*-?\d+\s*\})|(?P<id>[A-Za-z_][A-Za-z0-9_]*)'

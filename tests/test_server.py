@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key"
+CLI = (sys.executable, "-m", "formwork.gateway.cli")
 
 
 def free_port() -> int:
@@ -39,14 +40,16 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, *args: str, api_key: str | None = KEY, timeout_s: float = 600,
-                 new_session: bool = False) -> None:
+                 new_session: bool = False, formwork: tuple[str, ...] = CLI, cwd: str = ROOT) -> None:
+        """`formwork serve *args` on a free loopback port; `formwork` is the command that
+        stands for the console script (default: this interpreter's `-m` of it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="formwork-server-", suffix=".log")
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", *args, "--port", str(self.port),
+        cmd = [*formwork, "serve", *args, "--host", "127.0.0.1", "--port", str(self.port),
                "--log-level", "info"] + (["--api-key", api_key] if api_key else [])
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=new_session)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

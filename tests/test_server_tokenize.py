@@ -11,10 +11,10 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.api_server import build_app
-from gateway.metrics import Metrics
-from gateway.serving import ServerState
-from schemas.config import EngineConfig
+from formwork.gateway.api_server import build_app
+from formwork.gateway.metrics import Metrics
+from formwork.gateway.serving import ServerState
+from formwork.schemas.config import EngineConfig
 from test_server import KEY, Server
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -9,12 +9,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from gateway.errors import APIError, from_value_error, install_error_handlers
-from gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens, sampling_params,
+from formwork.gateway.errors import APIError, from_value_error, install_error_handlers
+from formwork.gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens, sampling_params,
                             structured_from_request)
-from gateway.tools import (ToolMode, ToolStreamParser, parse_tool_output, resolve_tool_mode,
+from formwork.gateway.tools import (ToolMode, ToolStreamParser, parse_tool_output, resolve_tool_mode,
                            tool_constraint)
-from schemas.openai import ChatCompletionRequest, CompletionRequest
+from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
 
 MSGS = [{"role": "user", "content": "hi"}]
 WEATHER = {"type": "function", "function": {
@@ -266,14 +266,14 @@ def tokenizer(default_model_dir):
 
 
 def _prompt(tokenizer, req: ChatCompletionRequest) -> str:
-    from gateway.chat import build_chat_prompt
+    from formwork.gateway.chat import build_chat_prompt
     prompt, ids = build_chat_prompt(tokenizer, req.messages, resolve_tool_mode(req))
     assert tokenizer.decode(ids) == prompt
     return prompt
 
 
 def test_chatml_prompt_without_tools(tokenizer):
-    from gateway.chat import template_supports_tools
+    from formwork.gateway.chat import template_supports_tools
     assert not template_supports_tools(tokenizer)
     want = tokenizer.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=False)
     assert _prompt(tokenizer, chat()) == want
@@ -302,7 +302,7 @@ def test_hermes_tools_prompt(tokenizer):
 
 
 def test_native_tools_template_gets_tools_kwarg(tokenizer):
-    from gateway.chat import build_chat_prompt
+    from formwork.gateway.chat import build_chat_prompt
 
     class Native:
         chat_template = "{{ tools | length }} tools"

@@ -9,8 +9,8 @@ import time
 import jsonschema
 import pytest
 
-from gateway import LLM, SamplingParams, StructuredOutputsParams as SO
-from schemas.engine import EngineCoreRequest, FinishReason
+from formwork import LLM, SamplingParams, StructuredOutputsParams as SO
+from formwork.schemas.engine import EngineCoreRequest, FinishReason
 
 SIMPLE = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
@@ -189,7 +189,7 @@ def test_real_model_constrained_outputs_validate(backend):
         convs.append(_chat("What is 6 times 7?"))
         specs.append(SO(grammar=GRAMMAR))
         checks.append(lambda text: re.fullmatch(r"The answer is [1-9][0-9]?\.", text) or pytest.fail(text))
-    from core.validation import validate_structured
+    from formwork.core.validation import validate_structured
     kept = []
     for i, spec in enumerate(specs):
         try:
@@ -229,7 +229,7 @@ def test_real_model_length_cut_reports_length():
 
 
 def test_outlines_refuses_json_object_up_front():
-    from core.validation import validate_structured
+    from formwork.core.validation import validate_structured
     with pytest.raises(ValueError, match="json_object"):
         validate_structured(SO(json_object=True, backend="outlines"))
     validate_structured(SO(json_object=True))          # auto -> xgrammar

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from gateway.tools import parse_tool_output, resolve_tool_mode, tool_constraint
-from schemas.openai import ChatCompletionRequest
+from formwork.gateway.tools import parse_tool_output, resolve_tool_mode, tool_constraint
+from formwork.schemas.openai import ChatCompletionRequest
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -30,9 +30,9 @@ def _mode(choice: str, parallel: bool, messages=REPEAT):
 
 @pytest.fixture(scope="module")
 def grammar():
-    from core.tokenizer import load_tokenizer
-    from grammar.vocab import TokenVocab
-    from grammar.xgrammar_backend import XGrammarBackend
+    from formwork.core.tokenizer import load_tokenizer
+    from formwork.grammar.vocab import TokenVocab
+    from formwork.grammar.xgrammar_backend import XGrammarBackend
     tok = load_tokenizer(None)
     vocab = TokenVocab.from_tokenizer(tok, 49152)
     backend = XGrammarBackend(vocab)
@@ -63,8 +63,8 @@ def test_required_constraint_is_one_object_unless_parallel(grammar):
 
 @pytest.mark.slow
 def test_real_model_makes_exactly_one_call():
-    from gateway import LLM, SamplingParams
-    from gateway.chat import build_chat_prompt
+    from formwork import LLM, SamplingParams
+    from formwork.gateway.chat import build_chat_prompt
     llm = LLM(dtype="float32", num_kv_blocks=128)
 
     def run(choice: str, parallel: bool):

@@ -15,17 +15,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def run_mode(args, eager: bool, workloads: dict[int, list[list[int]]]) -> dict:
     import torch
-    from gateway import LLM, SamplingParams
+    from formwork import LLM, SamplingParams
 
     max_bs = max(workloads)
     per_seq = -(-(args.prompt_len + args.output_len) // args.block_size) + 1
@@ -74,7 +70,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
-    from gpu.loader import resolve_model
+    from formwork.gpu.loader import resolve_model
     args.model = str(resolve_model(args.model))
     rng = random.Random(args.seed)
     sizes = sorted({int(b) for b in args.batch_sizes.split(",")})

@@ -21,8 +21,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 
 def bench(fn, device: str, reps: int) -> float:
     """Median seconds per call; on CUDA with L2 flushed between calls."""
@@ -81,7 +79,7 @@ def _torch_paged(q, k_cache, v_cache, table, q_len, ctx, scale, gathered=None):
 
 def attention_rows(cases, device, reps):
     import torch
-    from kernels.paged_attention import paged_attention
+    from formwork.kernels.paged_attention import paged_attention
     rows = []
     for num_seqs, q_len, ctx, heads, kvh, dim, bs, dtype in cases:
         q, kc, vc, table, qsl, seq_lens = _paged_case(num_seqs, q_len, ctx, heads, kvh, dim, bs,
@@ -114,7 +112,7 @@ def attention_rows(cases, device, reps):
 
 def tiling_rows(cases, tilings, device, reps):
     """paged_attention time per (block_m, tile_n) override, for tuning the defaults."""
-    from kernels.paged_attention import paged_attention
+    from formwork.kernels.paged_attention import paged_attention
     rows = []
     for num_seqs, q_len, ctx, heads, kvh, dim, bs, dtype in cases:
         q, kc, vc, table, qsl, seq_lens = _paged_case(num_seqs, q_len, ctx, heads, kvh, dim, bs,
@@ -135,7 +133,7 @@ def tiling_rows(cases, tilings, device, reps):
 
 def bitmask_rows(batches, vocab, device, reps):
     import torch
-    from kernels.bitmask import apply_bitmask_ref, apply_bitmask_torch, apply_bitmask_triton
+    from formwork.kernels.bitmask import apply_bitmask_ref, apply_bitmask_torch, apply_bitmask_triton
     try:
         from xgrammar import apply_token_bitmask_inplace as xgr_apply
     except ImportError:

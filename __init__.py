@@ -1,0 +1,34 @@
+"""formwork: a structured-output-first LLM serving gateway.
+
+Public entry points::
+
+    from formwork import LLM, SamplingParams, StructuredOutputsParams, Logprob
+
+The subpackages follow the data flow (docs in README.md): ``formwork.gateway``
+(HTTP server, offline ``LLM``, ``formwork`` CLI), ``formwork.core`` (EngineCore,
+scheduler, KV cache manager), ``formwork.grammar`` (constrained-decoding
+backends), ``formwork.gpu`` (model, attention, sampler), ``formwork.kernels``
+(Triton kernels beside their torch references: ``bitmask.apply_bitmask``,
+``kv_store.store_kv``, ``paged_attention.paged_attention``) and
+``formwork.schemas`` (the typed messages every part speaks).
+
+This file is the package root only: importing ``formwork`` pulls in the
+parameter types, never torch; ``LLM`` and the output types load on first use.
+"""
+from formwork.schemas.sampling import SamplingParams
+from formwork.schemas.structured import StructuredOutputsParams
+
+
+def __getattr__(name):
+    # LLM pulls in torch and the engine: import it only when asked for.
+    if name == "LLM":
+        from formwork.gateway.llm import LLM
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
+        from formwork.gateway import output_processor
+        return getattr(output_processor, name)
+    raise AttributeError(f"module 'formwork' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "Logprob"]

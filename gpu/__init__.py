@@ -1,1 +1,0 @@
-"""Worker side: model, attention backends, loader, model runner, sampler."""
