@@ -3,12 +3,19 @@
 there, else the 22-schema slice in tests/data/jsonschemabench; `--corpus DIR`
 picks another copy laid out the same way.
 
-For every schema: accepted or rejected (and why); for accepted ones, does a
-matcher accept every valid instance (compact JSON text, then the default
-`json.dumps` spacing) and reject every invalid one? Ground truth is
-`jsonschema` with the draft the schema declares (formats not asserted).
+For every schema: accepted or rejected (and why: keyword and JSON path); for
+accepted ones, does a matcher accept every valid instance (compact JSON text,
+then the default `json.dumps` spacing) and reject every invalid one? Then
+`--walks` random walks under the mask (SmolLM2's tokenizer, biased toward
+closing tokens so they finish): every finished output must parse and validate
+against the ORIGINAL schema, and no mask may allow a special token. Ground truth
+is `jsonschema` with the draft the schema declares (formats counted apart).
+Reported: accepted, rejections by keyword, valid-instance acceptance, invalid
+instances accepted, invalid walk outputs, compile time p50/p95 (check + compile,
+as the engine's compile pool runs them).
 
-  python bench/schema_coverage.py [--backend auto] [--subset Kubernetes] [--limit 20] [--json]
+  python bench/schema_coverage.py [--backend auto|llguidance|xgrammar|outlines]
+      [--subset Kubernetes] [--limit 20] [--walks 4] [--json]
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import argparse
 import collections
 import json
 import pathlib
+import random
 import statistics
 import sys
 import time
@@ -49,6 +57,11 @@ class Result:
     invalid_total: int = 0
     invalid_rejected: int = 0
     unsound: list[str] = field(default_factory=list)      # invalid accepted: failing keyword
+    walks_finished: int = 0
+    walks_unfinished: int = 0    # still open after --walk-tokens
+    walk_invalid: list[str] = field(default_factory=list)  # finished walks that do not validate
+    walk_format: int = 0         # finished walks valid except for a `format`
+    walk_special: int = 0        # walks whose mask allowed a special token
     restrictive: list[str] = field(default_factory=list)  # valid rejected: "key-order"/"other"
 
 
@@ -97,20 +110,24 @@ def _reorder(instance, schema, root, strip: bool = False):
 
 
 class Runner:
-    def __init__(self, tokenizer, vocab_size: int, backend: str):
-        from formwork.grammar.outlines_backend import OutlinesBackend
+    def __init__(self, tokenizer, vocab_size: int, backend: str, walks: int = 0,
+                 walk_tokens: int = 256, seed: int = 0):
         from formwork.grammar.vocab import TokenVocab
-        from formwork.grammar.xgrammar_backend import XGrammarBackend
 
         self.tok = tokenizer
         self.vocab = TokenVocab.from_tokenizer(tokenizer, vocab_size)
-        self.backends = {"xgrammar": XGrammarBackend(self.vocab), "outlines": None}
-        self._outlines_cls = OutlinesBackend
+        self.backends: dict = {}
         self.backend = backend
+        self.walks, self.walk_tokens, self.seed = walks, walk_tokens, seed
+        # token ids whose text closes something: the walks favour them so they finish
+        self.closing = [i for i, b in enumerate(self.vocab.token_bytes)
+                        if b and any(ch in b for ch in b'}]"') and len(b) <= 3]
 
     def _backend(self, name):
-        if self.backends[name] is None:
-            self.backends[name] = self._outlines_cls(self.vocab, compile_timeout_s=60.0)
+        from formwork.grammar.manager import build_backend
+
+        if name not in self.backends:
+            self.backends[name] = build_backend(name, self.vocab, self.tok, compile_timeout_s=60.0)
         return self.backends[name]
 
     def accepts(self, compiled, text: str) -> bool:
@@ -145,7 +162,59 @@ class Runner:
             case.schema, default=jsonschema.Draft202012Validator)(case.schema)
         for test in case.tests:
             self._check_instance(res, compiled, validator, case.schema, test["data"])
+        for k in range(self.walks):
+            self._walk(res, compiled, validator, random.Random(f"{self.seed}/{case.name}/{k}"))
         return res
+
+    def _walk(self, res, compiled, validator, rng) -> None:
+        """One random walk under the mask, biased toward closing tokens so that it
+        finishes; a finished output must parse and validate against the original
+        schema (formats counted apart: not every backend claims them)."""
+        import torch
+
+        from formwork.grammar.backend import allocate_bitmask, allowed_mask
+
+        matcher = compiled.new_matcher()
+        bitmask = allocate_bitmask(1, self.vocab.vocab_size)
+        closing = torch.tensor(self.closing)
+        out: list[int] = []
+        for step in range(self.walk_tokens):
+            matcher.fill_bitmask(bitmask, 0)
+            allowed = allowed_mask(bitmask, 0, self.vocab.vocab_size)
+            special = [i for i in torch.nonzero(allowed).flatten().tolist()
+                       if self.vocab.token_bytes[i] is None and i != self.vocab.eos_token_id]
+            if special:
+                res.walk_special += 1
+                return
+            eos = self.vocab.eos_token_id
+            close = closing[allowed[closing]].tolist()
+            ids = close if close and rng.random() < min(0.9, 0.2 + step / self.walk_tokens) else \
+                torch.nonzero(allowed).flatten().tolist()
+            ids = [i for i in ids if i != eos]
+            if allowed[eos] and (not ids or rng.random() < 0.3 or step > self.walk_tokens // 2):
+                assert matcher.accept_tokens([eos]), "mask allowed eos but the matcher refused it"
+                break
+            if not ids:
+                res.walk_invalid.append("dead end: the mask allows no token")
+                return
+            tid = rng.choice(ids)
+            assert matcher.accept_tokens([tid]), f"mask allowed {tid} but the matcher refused it"
+            out.append(tid)
+        else:
+            res.walks_unfinished += 1
+            return
+        res.walks_finished += 1
+        text = b"".join(self.vocab.token_bytes[i] for i in out).decode("utf-8", errors="replace")
+        try:
+            instance = json.loads(text)
+        except json.JSONDecodeError:
+            res.walk_invalid.append(f"not JSON: {text[:120]!r}")
+            return
+        errors = list(validator.iter_errors(instance))
+        if errors:
+            res.walk_invalid.append(f"{errors[0].validator}: {text[:120]!r}")
+        elif not validator.evolve(format_checker=validator.FORMAT_CHECKER).is_valid(instance):
+            res.walk_format += 1
 
     def _check_instance(self, res, compiled, validator, schema, instance) -> None:
         errors = list(validator.iter_errors(instance))
@@ -203,17 +272,35 @@ def summarize(results: list[Result]) -> str:
     restrict = collections.Counter(k for r in results for k in r.restrictive)
     lines.append("valid instances rejected: "
                  + (", ".join(f"{k} {v}" for k, v in restrict.most_common()) or "none"))
+    finished = sum(r.walks_finished for r in results)
+    invalid = [(r.name, w) for r in results for w in r.walk_invalid]
+    lines.append(f"random walks: {finished} finished, "
+                 f"{sum(r.walks_unfinished for r in results)} unfinished; invalid outputs "
+                 f"{len(invalid)} (in {len({n for n, _ in invalid})} schemas); valid but for a "
+                 f"format {sum(r.walk_format for r in results)}; special token allowed in "
+                 f"{sum(r.walk_special for r in results)}")
+    lines += [f"  invalid walk output {name}: {w}" for name, w in invalid[:20]]
+    times = sorted(r.compile_s for r in results if r.accepted)
+    if times:
+        lines.append(f"compile time all: n={len(times)} p50 {1000 * statistics.median(times):.1f} ms, "
+                     f"p95 {1000 * percentile(times, 0.95):.1f} ms")
     for backend in sorted({r.backend for r in results if r.accepted}):
         times = sorted(r.compile_s for r in results if r.accepted and r.backend == backend)
-        p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
         lines.append(f"compile time {backend}: n={len(times)} p50 "
-                     f"{1000 * statistics.median(times):.1f} ms, p99 {1000 * p99:.1f} ms")
+                     f"{1000 * statistics.median(times):.1f} ms, p95 "
+                     f"{1000 * percentile(times, 0.95):.1f} ms, p99 {1000 * percentile(times, 0.99):.1f} ms")
     return "\n".join(lines)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="auto", choices=("auto", "xgrammar", "outlines"))
+    ap.add_argument("--backend", default="auto", choices=("auto", "llguidance", "xgrammar", "outlines"))
+    ap.add_argument("--walks", type=int, default=4, help="random walks per accepted schema")
+    ap.add_argument("--walk-tokens", type=int, default=256, help="tokens before a walk gives up")
     ap.add_argument("--subset", default=None)
     ap.add_argument("--corpus", type=pathlib.Path, default=CORPUS,
                     help=f"JSONSchemaBench-layout folder (default {CORPUS})")
@@ -224,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     from formwork.core.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
-    runner = Runner(tokenizer, len(tokenizer), args.backend)
+    runner = Runner(tokenizer, len(tokenizer), args.backend, args.walks, args.walk_tokens)
     results = []
     for case in load_cases(args.subset, args.limit, args.corpus):
         results.append(runner.run(case))

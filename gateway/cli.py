@@ -32,7 +32,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--structured-outputs-backend", choices=("auto", "xgrammar", "outlines"),
+    g.add_argument("--structured-outputs-backend", choices=("auto", "llguidance", "xgrammar", "outlines", "guidance"),
                    default=d.structured_backend)
     g.add_argument("--grammar-compile-threads", type=int, default=d.grammar_compile_threads)
     g.add_argument("--no-jump-forward", action="store_true")

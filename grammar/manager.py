@@ -19,6 +19,7 @@ import torch
 
 from formwork.grammar.backend import CompiledGrammar, GrammarBackend, Matcher, allocate_bitmask
 from formwork.grammar.jump_forward import forced_tokens
+from formwork.grammar.llguidance_backend import LLGuidanceBackend
 from formwork.grammar.outlines_backend import OutlinesBackend
 from formwork.grammar.selection import choose_backend
 from formwork.grammar.vocab import TokenVocab
@@ -51,6 +52,17 @@ class _Stats:
     by_backend: dict[str, int] = field(default_factory=dict)
 
 
+def build_backend(name: str, vocab: TokenVocab, tokenizer, *, num_threads: int = 2,
+                  compile_timeout_s: float = 30.0) -> GrammarBackend:
+    """The backend called `name` (as grammar.selection names them) for this vocabulary."""
+    if name == "llguidance":
+        return LLGuidanceBackend(vocab, tokenizer, max_threads=num_threads)
+    if name == "xgrammar":
+        return XGrammarBackend(vocab, max_threads=num_threads)
+    assert name == "outlines", name
+    return OutlinesBackend(vocab, compile_timeout_s=compile_timeout_s)
+
+
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, *, default_backend: str = "auto",
                  num_threads: int = 2, compile_timeout_s: float = 30.0,
@@ -62,8 +74,11 @@ class StructuredOutputManager:
         self._timeout_s = compile_timeout_s
         self._jump_forward = enable_jump_forward
         self._cache_size = cache_size
+        self._num_threads = num_threads
+        # auto's usual picks are built up front (~0.3 s); outlines-core's vocabulary
+        # only when a constraint first needs it.
         self._backends: dict[str, GrammarBackend] = {
-            "xgrammar": XGrammarBackend(self.vocab, max_threads=num_threads)}
+            name: self._new_backend(name) for name in ("llguidance", "xgrammar")}
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()   # guards _cache, _inflight, _stats
         self._backend_lock = threading.Lock()   # guards _backends
@@ -108,10 +123,13 @@ class StructuredOutputManager:
 
     def _backend(self, name: str) -> GrammarBackend:
         with self._backend_lock:
-            if name not in self._backends:   # outlines' vocabulary is built on first use
-                self._backends[name] = OutlinesBackend(self.vocab,
-                                                       compile_timeout_s=self._timeout_s)
+            if name not in self._backends:   # each vocabulary is built on first use
+                self._backends[name] = self._new_backend(name)
             return self._backends[name]
+
+    def _new_backend(self, name: str) -> GrammarBackend:
+        return build_backend(name, self.vocab, self._tokenizer, num_threads=self._num_threads,
+                             compile_timeout_s=self._timeout_s)
 
     def _compile(self, params: StructuredOutputsParams
                  ) -> tuple[CompiledGrammar, GrammarBackend, float]:

@@ -20,7 +20,8 @@ from formwork.grammar.backend import (
     set_only_tokens,
 )
 from formwork.grammar.outlines_worker import build_index, build_json_regex
-from formwork.grammar.schema_check import check_schema
+from formwork.grammar.regex_safety import escape_literal
+from formwork.grammar.schema_check import UnsupportedSchemaError, check_schema, native_schema_error
 from formwork.grammar.vocab import TokenVocab
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -39,11 +40,6 @@ def whitespace_pattern(params: StructuredOutputsParams) -> str:
     return f"[ \\t\\n\\r]{{0,{params.max_whitespace}}}"
 
 
-def escape_literal(text: str) -> str:
-    """Regex matching exactly `text` (Rust regex syntax: hex-escape punctuation)."""
-    return "".join(ch if ch.isalnum() or ord(ch) > 127 else f"\\x{{{ord(ch):X}}}" for ch in text)
-
-
 def to_regex(params: StructuredOutputsParams) -> str:
     """Check `params` and return the regex outlines-core will enforce."""
     kind, spec = params.kind(), params.spec()
@@ -51,23 +47,26 @@ def to_regex(params: StructuredOutputsParams) -> str:
     if kind == "json":
         schema = check_schema(spec, "outlines")
         schema = {} if schema is True else schema
-        regex = build_json_regex(json.dumps(schema), ws, REGEX_BUILD_TIMEOUT_S)
+        try:
+            regex = build_json_regex(json.dumps(schema), ws, REGEX_BUILD_TIMEOUT_S)
+        except ValueError as err:
+            raise native_schema_error(spec, str(err), "outlines") from None
         if len(regex) > MAX_REGEX_CHARS:
-            raise ValueError(f"outlines-core: this JSON Schema becomes a {len(regex)}-char regex "
-                             f"(limit {MAX_REGEX_CHARS}); use backend='xgrammar'")
+            raise native_schema_error(spec, f"the schema becomes a {len(regex)}-char regex (limit "
+                                            f"{MAX_REGEX_CHARS}); use backend='auto'", "outlines")
         return regex
     if kind == "json_object":
         # measured: the index for "any JSON object" does not build within the 30 s
         # compile limit on a 2-core machine; refuse up front instead of timing out.
         raise ValueError("the outlines backend cannot enforce json_object (arbitrary JSON "
-                         "compiles too slowly); use backend='xgrammar' or 'auto'")
+                         "compiles too slowly); use backend='auto'")
     if kind == "regex":
         _check_regex_syntax(spec)
         return spec
     if kind == "choice":
         return "(" + "|".join(escape_literal(c) for c in spec) + ")"
     raise ValueError(f"the outlines backend does not support '{kind}' constraints; "
-                     "use backend='xgrammar' or 'auto'")
+                     "use backend='auto'")
 
 
 _PROBE_VOCABULARY = oc.Vocabulary(1, {b"\x00": [0]})
@@ -216,5 +215,12 @@ class OutlinesBackend(GrammarBackend):
         to_regex(params)
 
     def compile(self, params: StructuredOutputsParams) -> OutlinesCompiled:
-        index = build_index(to_regex(params), self._vocabulary, self._timeout_s)
+        try:
+            index = build_index(to_regex(params), self._vocabulary, self._timeout_s)
+        except UnsupportedSchemaError:
+            raise
+        except ValueError as err:       # e.g. "... incompatible with the regex"
+            if params.kind() != "json":
+                raise
+            raise native_schema_error(params.spec(), str(err), "outlines") from None
         return OutlinesCompiled(index, self._vocab, self._by_bytes)

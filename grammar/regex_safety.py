@@ -62,3 +62,49 @@ def pattern_is_json_safe(pattern: str) -> bool:
     except (re.error, ValueError, RecursionError, OverflowError):
         return False
     return _seq_ok(parsed)
+
+
+def escape_literal(text: str) -> str:
+    """Regex matching exactly `text` (Rust regex syntax, as outlines-core and
+    llguidance parse it: punctuation and ASCII controls hex-escaped)."""
+    return "".join(ch if ch.isalnum() or ord(ch) > 127 else f"\\x{{{ord(ch):X}}}" for ch in text)
+
+
+_ASCII_CLASSES = {"d": ("[0-9]", "0-9"), "w": ("[A-Za-z0-9_]", "A-Za-z0-9_"),
+                  "D": ("[^0-9]", None), "W": ("[^A-Za-z0-9_]", None)}
+
+
+def ecma_ascii_classes(pattern: str) -> str | None:
+    """`pattern` with ECMA-262's ASCII meaning of \\d, \\w, \\D, \\W spelled out, for
+    engines (Rust regex: outlines-core) whose classes are Unicode-aware; None when a
+    negated class sits inside a bracket expression, which cannot be spelled out."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            esc = pattern[i + 1]
+            if esc in _ASCII_CLASSES:
+                outside, inside = _ASCII_CLASSES[esc]
+                if in_class and inside is None:
+                    return None
+                out.append(inside if in_class else outside)
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if ch == "[" and not in_class:
+            in_class = True
+            out.append(ch)
+            i += 1
+            if pattern[i:i + 1] == "^":
+                out.append("^")
+                i += 1
+            if pattern[i:i + 1] == "]":        # a literal ] first in the class
+                out.append("]")
+                i += 1
+            continue
+        if ch == "]" and in_class:
+            in_class = False
+        out.append(ch)
+        i += 1
+    return "".join(out)

@@ -10,14 +10,21 @@ or is enforced exactly, or only made stricter (e.g. fixed property order).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
 
-from formwork.grammar.schema_rewrites import drop_implied_lengths
+from formwork.grammar.regex_safety import ecma_ascii_classes
+from formwork.grammar.schema_rewrites import (
+    drop_implied_lengths,
+    drop_inapplicable,
+    lengths_as_plain_pattern,
+)
 from formwork.grammar.schema_rules import (
+    ASSERTIONS as ASSERTION_KEYWORDS,
     XGRAMMAR_FORMAT_LENGTHS,
     common_issues,
     ref_issues,
@@ -99,6 +106,31 @@ def find_issues(schema: Any, backend: str) -> list[SchemaIssue]:
     return issues
 
 
+def locate_keyword(schema: Any, keyword: str) -> str:
+    """JSON path of the first reachable node holding `keyword` ("$" if none does)."""
+    return next((node.path for node in iter_nodes(schema) if keyword in node.schema), "$")
+
+
+# Keywords that make a regex out of a schema: where a backend's complaint about its
+# regex or vocabulary names no keyword, these are what the schema can change.
+_REGEX_KEYWORDS = ("pattern", "format", "const", "enum", "maxLength", "minLength")
+
+
+def native_schema_error(schema: Any, message: str, backend: str) -> UnsupportedSchemaError:
+    """A backend's own compile error for `schema` as keyword + JSON path: the first
+    keyword of the schema the message names (word match, e.g. "Integer exceeds
+    maximum limit" -> maximum), else the first regex-making keyword the schema
+    has, else its root `type`."""
+    present = {kw for node in iter_nodes(schema) for kw in node.schema} if isinstance(schema, dict) \
+        else set()
+    words = re.findall(r"[A-Za-z$]+", message)
+    named = [w for w in words if w in present and (w in ASSERTION_KEYWORDS or w == "format")]
+    keyword = (named[0] if named else next((k for k in _REGEX_KEYWORDS if k in present), "type"))
+    detail = f"{backend}: {message.strip().splitlines()[0]}"
+    return UnsupportedSchemaError([SchemaIssue(keyword, locate_keyword(schema, keyword), detail)],
+                                  backend)
+
+
 def check_schema(schema: Any, backend: str) -> Any:
     """Meta-schema check; return `schema`, or an equivalent rewrite of it
     (`schema_normalize`), that `backend` enforces exactly. Otherwise raise
@@ -114,8 +146,21 @@ def check_schema(schema: Any, backend: str) -> Any:
 
 
 def _backend_view(schema: Any, backend: str) -> Any:
-    """xgrammar: lengths its format grammars imply are dropped (it would warn
-    about them and ignore them; the format alone enforces them)."""
-    if backend != "xgrammar":
-        return schema
-    return map_subschemas(schema, lambda node: drop_implied_lengths(node, XGRAMMAR_FORMAT_LENGTHS))
+    """Exact rewrites a backend needs to enforce what it was checked for.
+    xgrammar: lengths its format grammars imply are dropped (it would warn about
+    them and ignore them; the format alone enforces them), and plain string
+    lengths become a pattern it enforces without admitting control characters.
+    outlines: keywords of types the node's `type` excludes are dropped (it would
+    build an object regex for `type: array` next to `properties`), and patterns
+    get JSON Schema's ASCII \\d and \\w."""
+    if backend == "xgrammar":
+        return map_subschemas(schema, lambda node: lengths_as_plain_pattern(
+            drop_implied_lengths(node, XGRAMMAR_FORMAT_LENGTHS)))
+    return map_subschemas(schema, lambda node: _ascii_pattern(drop_inapplicable(node)))
+
+
+def _ascii_pattern(node: dict) -> dict:
+    pattern = node.get("pattern")
+    if not isinstance(pattern, str):
+        return node
+    return node | {"pattern": ecma_ascii_classes(pattern)}

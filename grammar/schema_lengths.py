@@ -24,6 +24,22 @@ _CLASS_ESCAPES = frozenset("dDwWsS")
 _CHAR_ESCAPES = frozenset("ntrfv")
 
 
+# One JSON string character that needs no escape (RFC 8259): not a quote, a
+# backslash or a control character.
+JSON_PLAIN_CHAR = r'[^"\\\x00-\x1f]'
+_PLAIN_LENGTH = re.compile(r"\^" + re.escape(JSON_PLAIN_CHAR) + r"\{\d+,\d*\}\$")
+
+
+def plain_length_pattern(lo: int, hi: int | None) -> str:
+    """`^[plain]{lo,hi}$`: lo..hi characters, none of which needs escaping."""
+    return f"^{JSON_PLAIN_CHAR}{{{lo},{'' if hi is None else hi}}}$"
+
+
+def is_plain_length_pattern(pattern) -> bool:
+    """True for exactly the patterns `plain_length_pattern` writes."""
+    return isinstance(pattern, str) and _PLAIN_LENGTH.fullmatch(pattern) is not None
+
+
 @dataclass(frozen=True, slots=True)
 class _Atom:
     text: str          # the atom as written, quantifier excluded

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from formwork.grammar.schema_lengths import fold_lengths
+from formwork.grammar.schema_lengths import MAX_FOLDED_COUNT, fold_lengths, plain_length_pattern
 from formwork.grammar.schema_oneof import ALL_TYPES, emitted_forms, inferred_types
 from formwork.grammar.schema_rules import ARRAY, ASSERTIONS, NUMERIC, OBJECT, STRING
 
@@ -62,6 +62,22 @@ def drop_implied_lengths(node: dict, format_lengths: dict) -> dict:
     drop = {k for k in ("minLength", "maxLength") if k in node and _length(node[k]) is not None
             and (node[k] <= lo if k == "minLength" else hi is not None and node[k] >= hi)}
     return {k: v for k, v in node.items() if k not in drop} if drop else node
+
+
+def lengths_as_plain_pattern(node: dict) -> dict:
+    """xgrammar compiles a length-bounded string to a class that admits raw control
+    characters (not JSON). `{"type": "string", "minLength": m, "maxLength": n}`
+    without pattern/format becomes the pattern `^[plain]{m,n}$`, which it enforces
+    exactly (stricter only in that quotes, backslashes and controls are never
+    written, as in xgrammar's own length grammar). Counts above MAX_FOLDED_COUNT
+    stay lengths (schema_rules flags them)."""
+    if node.get("type") != "string" or "pattern" in node or "format" in node:
+        return node
+    lo, hi = _length(node.get("minLength")), _length(node.get("maxLength"))
+    if (lo is None and hi is None) or max(lo or 0, hi or 0) > MAX_FOLDED_COUNT:
+        return node
+    rest = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
+    return rest | {"pattern": plain_length_pattern(lo or 0, hi)}
 
 
 def drop_inapplicable(node: dict) -> dict:

@@ -7,11 +7,16 @@ xgrammar 0.2.9 / outlines-core 0.2.14 (both ignore silently unless noted):
   next to anyOf/oneOf/allOf, enum/const siblings, `required` names missing
   from `properties` of an object, oneOf not proven disjoint (treated as
   anyOf; proofs in schema_oneof), type-specific keywords on a node without `type`;
-- xgrammar: allOf with >1 branch, minLength/maxLength next to pattern/format,
+- xgrammar: `pattern` (compiled loosely inside JSON strings: `^\\d\\d(\\.\\d+)?$`
+  admits "125"), string lengths it cannot take as a plain-character pattern
+  (its own length grammar admits raw control characters), allOf with >1 branch,
+  minLength/maxLength next to pattern/format,
   multipleOf unless on a bounded-free integer, patternProperties that a name
   may match twice (two patterns, or a property with other constraints: both
   may generate that name), propertyNames next to properties;
-- outlines: every numeric bound, multipleOf, min/maxProperties, allOf,
+- outlines: a property that admits any value (`{}`: the regex it builds lacks
+  parentheses), `\\D`/`\\W` inside a class (its classes are Unicode-aware;
+  other `\\d`/`\\w` are spelled out as ASCII before it sees them), every numeric bound, multipleOf, min/maxProperties, allOf,
   propertyNames, patternProperties, lengths next to pattern/format (the
   pattern is dropped), patterns that can match a quote, backslash or control
   character (the output would not be JSON), formats it does not know, objects
@@ -23,7 +28,8 @@ import json
 import re
 from typing import Any
 
-from formwork.grammar.regex_safety import pattern_is_json_safe
+from formwork.grammar.regex_safety import ecma_ascii_classes, pattern_is_json_safe
+from formwork.grammar.schema_lengths import MAX_FOLDED_COUNT, is_plain_length_pattern
 from formwork.grammar.schema_oneof import (
     branches_imply_type,
     emitted_forms,
@@ -127,6 +133,13 @@ def _required_issues(node: dict) -> Issues:
 
 def xgrammar_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     node, out = sn.schema, []
+    if "pattern" in node and not is_plain_length_pattern(node["pattern"]):
+        out.append(("pattern", "xgrammar compiles a pattern inside a JSON string loosely "
+                               "(^\\d\\d(\\.\\d+)?$ admits \"125\")"))
+    elif "format" not in node and _plain_length_unfoldable(node):
+        out.append(("maxLength" if "maxLength" in node else "minLength",
+                    "xgrammar's length-bounded strings admit raw control characters; "
+                    f"only bounds up to {MAX_FOLDED_COUNT} on a 'string'-typed node are rewritten"))
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         out.append(("allOf", "allOf with more than one branch is not enforced"))
     out += _length_next_to_pattern(node, XGRAMMAR_FORMAT_LENGTHS)
@@ -144,6 +157,15 @@ def xgrammar_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
         if isinstance(node.get(kw), bool):
             out.append((kw, "draft-04 boolean form"))
     return out
+
+
+def _plain_length_unfoldable(node: dict) -> bool:
+    """String lengths that schema_rewrites.lengths_as_plain_pattern cannot rewrite."""
+    bounds = [node[k] for k in ("minLength", "maxLength") if k in node]
+    if not bounds:
+        return False
+    return node.get("type") != "string" or any(
+        not isinstance(b, int) or isinstance(b, bool) or b > MAX_FOLDED_COUNT for b in bounds)
 
 
 def _length_next_to_pattern(node: dict, format_lengths: dict | None = None) -> Issues:
@@ -209,6 +231,15 @@ def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     out += [(k, "the pattern/format would be dropped") for k, _ in _length_next_to_pattern(node)]
     if isinstance(node.get("pattern"), str) and not pattern_is_json_safe(node["pattern"]):
         out.append(("pattern", "may match a quote, backslash or control character"))
+    elif isinstance(node.get("pattern"), str) and ecma_ascii_classes(node["pattern"]) is None:
+        out.append(("pattern", "\\D or \\W inside a bracket expression (outlines-core's are "
+                               "Unicode-aware, JSON Schema's ASCII)"))
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    untyped = [k for k, v in props.items()
+               if v is True or (isinstance(v, dict) and not ASSERTIONS & v.keys())]
+    if untyped:
+        out.append(("properties", f"property {untyped[0]!r} admits any value; outlines-core's "
+                                  "regex for that is malformed (a bare value passes at the root)"))
     fmt = node.get("format")
     if isinstance(fmt, str) and fmt not in OUTLINES_FORMATS:
         out.append(("format", f"format {fmt!r} is not supported"))

@@ -15,7 +15,12 @@ import xgrammar as xgr
 
 from formwork.grammar.backend import CompiledGrammar, GrammarBackend, Matcher, set_only_tokens
 from formwork.grammar.native_log import call_capturing_warnings
-from formwork.grammar.schema_check import SchemaIssue, UnsupportedSchemaError, check_schema
+from formwork.grammar.schema_check import (
+    SchemaIssue,
+    UnsupportedSchemaError,
+    check_schema,
+    native_schema_error,
+)
 from formwork.grammar.structural_tag import structural_tag_spec
 from formwork.grammar.vocab import TokenVocab, VocabKind
 from formwork.schemas.structured import StructuredOutputsParams
@@ -54,10 +59,14 @@ def choice_ebnf(choices: Sequence[str]) -> str:
 _PROVEN_ELSEWHERE = ("oneOf with overlapping or non-provably-disjoint branches",)
 
 
-def _convert(kind: str, fn) -> xgr.Grammar:
+def _convert(kind: str, fn, schema: Any = None) -> xgr.Grammar:
+    """`schema`: the JSON Schema being converted, so that xgrammar's own errors
+    about it name a keyword and a path."""
     try:
         grammar, warnings = call_capturing_warnings(fn)
     except (RuntimeError, ValueError, TypeError) as err:
+        if schema is not None:
+            raise native_schema_error(schema, native_error_text(err), "xgrammar") from None
         raise ValueError(f"xgrammar cannot compile this {kind}: {native_error_text(err)}") from None
     if kind in ("JSON Schema", "structural tag"):
         warnings = [w for w in warnings if not w.startswith(_PROVEN_ELSEWHERE)]
@@ -77,7 +86,7 @@ def to_xgrammar(params: StructuredOutputsParams) -> xgr.Grammar:
         schema = check_schema(spec, "xgrammar")
         schema = {} if schema is True else schema
         return _convert("JSON Schema", lambda: xgr.Grammar.from_json_schema(
-            json.dumps(schema), strict_mode=True, **json_schema_options(params)))
+            json.dumps(schema), strict_mode=True, **json_schema_options(params)), spec)
     if kind == "json_object":
         return _convert("JSON Schema", lambda: xgr.Grammar.from_json_schema(
             '{"type": "object"}', strict_mode=False, **json_schema_options(params)))

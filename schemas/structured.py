@@ -7,7 +7,8 @@ from typing import Any, Literal
 import msgspec
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-BACKENDS = ("auto", "xgrammar", "outlines")
+# "guidance" is vLLM's name for llguidance.
+BACKENDS = ("auto", "llguidance", "xgrammar", "outlines", "guidance")
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -23,8 +24,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     or xgrammar's structural-tag format dict.
     whitespace:     "compact" (no optional whitespace in JSON) or "flexible"
                     (at most `max_whitespace` whitespace chars in a run).
-    backend:        "auto" (xgrammar, falling back to outlines-core for schemas
-                    xgrammar cannot enforce), "xgrammar" or "outlines".
+    backend:        "auto" (per kind, the first backend that enforces the
+                    constraint exactly: grammar/selection.py), "llguidance"
+                    (alias "guidance"), "xgrammar" or "outlines".
     """
 
     json: dict | str | None = None

@@ -1,4 +1,4 @@
-"""Conformance tests shared by the xgrammar and outlines-core backends.
+"""Conformance tests shared by the llguidance, xgrammar and outlines-core backends.
 
 Random walks sample uniformly among the tokens the mask allows (seeded) until
 the stop token or a step limit; every finished walk must validate against the
@@ -17,6 +17,7 @@ import torch
 
 from formwork.grammar.backend import allocate_bitmask, allowed_mask, allowed_token_ids
 from formwork.grammar.jump_forward import forced_tokens
+from formwork.grammar.llguidance_backend import LLGuidanceBackend
 from formwork.grammar.outlines_backend import OutlinesBackend
 from formwork.grammar.vocab import TokenVocab
 from formwork.grammar.xgrammar_backend import XGrammarBackend
@@ -88,11 +89,14 @@ VALID = {"json-compact": ['{"name":"ab","tags":["b c"],"ok":true}', '{"name":"",
          "json-flexible": ['{ "name": "ab",\n "ok" : true }'],
          "regex": ["ab-1", "cccc-999"], "choice": CHOICES, "grammar": ["1+(2-34)", "(7)"]}
 INVALID = {"json-compact": ['{"name":"ab", "ok":true}', '{"name":"abcdefg","ok":true}',
-                            '{"ok":true,"name":"a"}', '{"name":"a","ok":true,"x":1}'],
+                            '{"name":"a","ok":true,"x":1}', '{"name":"a\x1cb","ok":true}'],
            "json-flexible": ['{"name":   "ab","ok":true}', '{"name":"ab","ok":1}'],
            "regex": ["a-1", "ab-1234", "abd-1"], "choice": ["blue", "red "],
            "grammar": ["1+", "(1", "012", "1++2"]}
-BACKEND_KINDS = [(b, k) for b in ("xgrammar", "outlines") for k in CASES
+# All three backends fix object keys to the schema's order (stricter than the schema).
+FIXED_ORDER = '{"ok":true,"name":"a"}'
+BACKENDS = ("llguidance", "xgrammar", "outlines")
+BACKEND_KINDS = [(b, k) for b in BACKENDS for k in CASES
                  if not (b == "outlines" and k == "grammar")]
 
 
@@ -108,8 +112,9 @@ def vocab(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def backends(vocab):
-    return {"xgrammar": XGrammarBackend(vocab), "outlines": OutlinesBackend(vocab)}
+def backends(vocab, tokenizer):
+    return {"llguidance": LLGuidanceBackend(vocab, tokenizer), "xgrammar": XGrammarBackend(vocab),
+            "outlines": OutlinesBackend(vocab)}
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +180,11 @@ def test_valid_accepted_invalid_rejected(backend, kind, compiled, tokenizer, voc
         assert accepts(g.new_matcher(), tokenizer, vocab, text), text
     for text in INVALID[kind]:
         assert not accepts(g.new_matcher(), tokenizer, vocab, text), text
+    if kind == "json-compact":
+        assert not accepts(g.new_matcher(), tokenizer, vocab, FIXED_ORDER)
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_rollback_restores_masks_and_accept_is_atomic(backend, compiled, tokenizer, vocab):
     m = compiled(backend, "json-compact").new_matcher()
     ids = tokenizer.encode('{"name":"ab","ok":true}', add_special_tokens=False)
@@ -201,7 +208,7 @@ def test_rollback_restores_masks_and_accept_is_atomic(backend, compiled, tokeniz
     assert torch.equal(bm, masks[0])
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_jump_forward(backend, compiled, tokenizer, vocab):
     m = compiled(backend, "json-compact").new_matcher()
     assert m.jump_forward_string() == '{"name":"'
@@ -216,11 +223,12 @@ def test_jump_forward(backend, compiled, tokenizer, vocab):
     assert c.jump_forward_string() == "lue s"[len(b"".join(vocab.token_bytes[t] for t in tokens)):]
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_padding_and_special_ids_never_allowed(backend, tokenizer):
     padded = TokenVocab.from_tokenizer(tokenizer, VOCAB + 64)
-    cls = XGrammarBackend if backend == "xgrammar" else OutlinesBackend
-    m = cls(padded).compile(P(json={"type": "string"}, whitespace="compact")).new_matcher()
+    made = {"llguidance": lambda: LLGuidanceBackend(padded, tokenizer),
+            "xgrammar": lambda: XGrammarBackend(padded), "outlines": lambda: OutlinesBackend(padded)}
+    m = made[backend]().compile(P(json={"type": "string"}, whitespace="compact")).new_matcher()
     assert m.accept_tokens(tokenizer.encode('"', add_special_tokens=False))
     bm = allocate_bitmask(1, VOCAB + 64)
     m.fill_bitmask(bm, 0)
@@ -268,7 +276,7 @@ def test_outlines_index_build_is_isolated_and_bounded():
         build_index("a(?=b)", vocabulary, timeout_s=30.0)
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_long_rejected_batch_is_taken_back(backend, backends, tokenizer, vocab):
     """A rejected list longer than the outlines guide's rollback window (256
     states) still leaves the matcher where it was (the coverage bench feeds whole

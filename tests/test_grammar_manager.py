@@ -60,8 +60,8 @@ def ids(tokenizer, text):
 
 
 def test_submit_does_not_block_and_shares_inflight_and_cached_compiles(manager, monkeypatch):
-    slow = SlowBackend(manager._backends["xgrammar"], delay_s=10.0)
-    monkeypatch.setitem(manager._backends, "xgrammar", slow)
+    slow = SlowBackend(manager._backends["llguidance"], delay_s=10.0)   # auto's pick for JSON
+    monkeypatch.setitem(manager._backends, "llguidance", slow)
     start = time.monotonic()
     manager.submit("a", P(json=SCHEMA))
     manager.submit("b", P(json=SCHEMA))               # same key while compiling
@@ -113,11 +113,13 @@ def test_compile_timeout_fails_the_request(tokenizer, monkeypatch):
     m.shutdown()
 
 
-def test_auto_falls_back_to_outlines_only_when_it_enforces_more(manager, tokenizer):
+def test_auto_takes_the_first_backend_that_enforces_the_constraint(manager, tokenizer):
     manager.submit("p", P(regex=r"\p{L}+"))          # xgrammar: no Unicode classes
     manager.submit("x", P(regex=r"[a-z]+"))
-    assert wait(manager, "p") == "ready" and wait(manager, "x") == "ready"
-    assert manager.stats()["by_backend"] == {"outlines": 1, "xgrammar": 1}
+    manager.submit("j", P(json={"type": "string", "pattern": "^a+$"}))  # xgrammar: loose
+    for rid in "pxj":
+        assert wait(manager, rid) == "ready", manager.error(rid)
+    assert manager.stats()["by_backend"] == {"llguidance": 2, "xgrammar": 1}
     assert manager.accept_tokens("p", ids(tokenizer, "h\u00e9llo"))
     assert not manager.accept_tokens("p", ids(tokenizer, "3"))
 

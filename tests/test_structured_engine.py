@@ -165,7 +165,7 @@ def _chat(q):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar", "outlines"])
 def test_real_model_constrained_outputs_validate(backend):
     llm = LLM(num_kv_blocks=512)
     convs, specs, checks = [], [], []
@@ -173,7 +173,7 @@ def test_real_model_constrained_outputs_validate(backend):
         convs.append(_chat(f"Reply with JSON matching this schema: {json.dumps(s)}"))
         specs.append(SO(json=s, backend=backend))
         checks.append(lambda text, s=s: jsonschema.validate(json.loads(text), s))
-    if backend == "xgrammar":      # outlines refuses json_object up front (tested in test_grammar_*)
+    if backend != "outlines":      # outlines refuses json_object up front (tested in test_grammar_*)
         convs.append(_chat("Give me any JSON object describing a cat."))
         specs.append(SO(json_object=True, backend=backend))
         checks.append(lambda text: isinstance(json.loads(text), dict) or pytest.fail(text))
@@ -185,9 +185,9 @@ def test_real_model_constrained_outputs_validate(backend):
         convs.append(_chat(f"Pick one of {c}."))
         specs.append(SO(choice=c, backend=backend))
         checks.append(lambda text, c=c: text in c or pytest.fail(f"{text!r} not in {c}"))
-    if backend == "xgrammar":
+    if backend != "outlines":
         convs.append(_chat("What is 6 times 7?"))
-        specs.append(SO(grammar=GRAMMAR))
+        specs.append(SO(grammar=GRAMMAR, backend=backend))
         checks.append(lambda text: re.fullmatch(r"The answer is [1-9][0-9]?\.", text) or pytest.fail(text))
     from formwork.core.validation import validate_structured
     kept = []
@@ -232,7 +232,7 @@ def test_outlines_refuses_json_object_up_front():
     from formwork.core.validation import validate_structured
     with pytest.raises(ValueError, match="json_object"):
         validate_structured(SO(json_object=True, backend="outlines"))
-    validate_structured(SO(json_object=True))          # auto -> xgrammar
+    validate_structured(SO(json_object=True))          # auto -> llguidance
 
 
 def test_stop_strings_do_not_cut_constrained_output(tiny):

@@ -1,0 +1,280 @@
+"""llguidance backend (vLLM's `guidance`): JSON Schema, regex, choice, Lark grammars.
+
+llguidance's JSON-Schema compiler enforces what it accepts and refuses the rest
+("Unimplemented keys: [...]"); formwork never lets a schema switch it to its
+`lenient` mode. Its strings follow RFC 8259 (no raw control characters) and its
+`pattern`s are exact. Where a schema allows properties it does not declare,
+llguidance generates them too (the output language is the schema's).
+
+Special and added tokens are handed to llguidance as special (a leading 0xFF
+byte), so no grammar made here ever allows them.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance as llg
+import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from formwork.grammar.backend import CompiledGrammar, GrammarBackend, Matcher, set_only_tokens
+from formwork.grammar.regex_safety import escape_literal
+from formwork.grammar.schema_check import (
+    SchemaIssue,
+    UnsupportedSchemaError,
+    check_metaschema,
+    locate_keyword,
+    native_schema_error,
+)
+from formwork.grammar.schema_normalize import map_subschemas, normalize
+from formwork.grammar.schema_oneof import pairwise_disjoint
+from formwork.grammar.schema_walk import validator_class
+from formwork.grammar.vocab import TokenVocab
+from formwork.schemas.structured import StructuredOutputsParams
+
+# A schema's own "x-guidance" options are applied before these, so it can never
+# turn on `lenient` (ignore unimplemented keywords) or `coerce_one_of` (oneOf as anyOf).
+_SOUND = {"lenient": False, "coerce_one_of": False}
+_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
+_FORMAT = re.compile(r"Unknown format: (\S+)")
+
+
+def json_options(params: StructuredOutputsParams) -> dict[str, Any]:
+    """Whitespace: none at all, or at most `max_whitespace` characters per run."""
+    if params.whitespace == "compact" or params.max_whitespace == 0:
+        return {"whitespace_flexible": False}
+    return {"whitespace_flexible": True,
+            "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{params.max_whitespace}}}"}
+
+
+def _grammar_error(grammar: str) -> str:
+    """'' if llguidance builds `grammar` (no tokenizer needed), else its error."""
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0].strip() if is_error else ""
+
+
+def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
+    """llguidance's refusal as keyword + JSON path (the first node holding it)."""
+    if m := _UNIMPLEMENTED.search(message):
+        keywords = json.loads(f"[{m.group(1)}]") or ["?"]
+    elif m := _FORMAT.search(message):
+        keywords = ["format"]
+    elif "oneOf" in message:
+        keywords = ["oneOf"]
+        message = "oneOf branches are not provably disjoint"
+    elif "required item is unsatisfiable" in message:      # minItems past what items allow
+        keywords = ["minItems"]
+    elif "required property" in message:
+        keywords = ["required"]
+    else:
+        return native_schema_error(schema, message, "llguidance")
+    issues = [SchemaIssue(kw, locate_keyword(schema, kw), f"llguidance: {message.splitlines()[0]}")
+              for kw in keywords]
+    return UnsupportedSchemaError(issues, "llguidance")
+
+
+def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
+    return llg.LLMatcher.grammar_from_json_schema(
+        {} if schema is True else schema, defaults=json_options(params), overrides=_SOUND)
+
+
+def _checked_json(schema: Any, params: StructuredOutputsParams) -> str:
+    """Grammar for `schema`, or for formwork's equivalent rewrite of it (allOf merged,
+    provably disjoint oneOf as anyOf, ...) when llguidance refuses the original."""
+    check_metaschema(schema)
+    if schema is False:
+        raise UnsupportedSchemaError([SchemaIssue("false", "$", "the schema admits no value")],
+                                     "llguidance")
+    grammar = _json_grammar(schema, params)
+    error = _grammar_error(grammar)
+    if not error:
+        return grammar
+    normalized = normalize(schema)
+    for rewritten in (normalized, _disjoint_one_of_as_any_of(normalized)):
+        if rewritten is not schema and isinstance(rewritten, dict):
+            grammar = _json_grammar(rewritten, params)
+            if not _grammar_error(grammar):
+                return grammar
+    raise _schema_error(schema, error)
+
+
+def _disjoint_one_of_as_any_of(root: Any) -> Any:
+    """`root` with each oneOf whose branches formwork proves pairwise disjoint
+    spelled anyOf (the same language); llguidance proves fewer of them itself."""
+    if not isinstance(root, dict):
+        return root
+    validator = validator_class(root)(root)
+
+    def rewrite(node: dict) -> dict:
+        if "oneOf" in node and "anyOf" not in node and pairwise_disjoint(node["oneOf"], root, validator):
+            node = {("anyOf" if k == "oneOf" else k): v for k, v in node.items()}
+        return node
+    return map_subschemas(root, rewrite)
+
+
+def to_llguidance(params: StructuredOutputsParams) -> str:
+    """Check `params` and return the llguidance grammar (a string) that enforces it."""
+    kind, spec = params.kind(), params.spec()
+    if kind == "json":
+        return _checked_json(spec, params)
+    if kind == "json_object":
+        return _json_grammar({"type": "object"}, params)
+    if kind == "regex":
+        grammar = llg.LLMatcher.grammar_from_regex(spec)
+    elif kind == "choice":
+        grammar = llg.LLMatcher.grammar_from_regex("|".join(f"({escape_literal(c)})" for c in spec))
+    elif kind == "grammar":
+        # xgrammar's EBNF is GBNF; anything without `::=` is taken as Lark.
+        try:
+            lark = gbnf_to_lark(spec) if "::=" in spec else spec
+        except Exception as err:   # the converter raises bare Exceptions/AssertionErrors
+            raise ValueError(f"llguidance cannot convert this grammar to Lark: {err}") from None
+        grammar = llg.LLMatcher.grammar_from_lark(lark)
+    else:
+        raise ValueError(f"llguidance: {kind} constraints are served by backend 'xgrammar'")
+    error = _grammar_error(grammar)
+    if error:
+        raise ValueError(f"llguidance cannot compile this {kind}: {error.splitlines()[0]}")
+    return grammar
+
+
+class _Vocabulary:
+    """What llguidance's TokenizerWrapper reads: per-id bytes (specials marked with a
+    leading 0xFF), eos, and a tokenize callable (used for its own fast-forward)."""
+
+    def __init__(self, vocab: TokenVocab, tokenizer):
+        self.eos_token_id = vocab.eos_token_id
+        self.bos_token_id = None
+        self.tokens = [b if b is not None else b"\xff" + (vocab.encoded[i] or f"[{i}]").encode()
+                       for i, b in enumerate(vocab.token_bytes)]
+        self.special_token_ids = [i for i, b in enumerate(vocab.token_bytes) if b is None]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+class LLGuidanceMatcher(Matcher):
+    def __init__(self, native: llg.LLMatcher, eos_token_id: int):
+        self.native = native
+        self._eos = eos_token_id
+        self._terminated = False   # the eos token was accepted
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        # Checked before consuming: a refused token would put llguidance in a
+        # permanent error state. Its validate_tokens refuses the eos token once
+        # the grammar can go no further, so a final eos is checked by acceptance.
+        ids = [int(t) for t in token_ids]
+        stop = bool(ids) and ids[-1] == self._eos
+        body = ids[:-1] if stop else ids
+        if self._terminated or self.native.validate_tokens(body) != len(body):
+            return False
+        assert self.native.consume_tokens(body), self.native.get_error()
+        if stop:
+            if not self.native.is_accepting():
+                self.native.rollback(len(body))
+                return False
+            # The eos token is not handed to llguidance (it keeps no rollback entry
+            # for it): termination is tracked here, the native state stays put.
+            self._terminated = True
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._terminated or self.native.is_error():
+            set_only_tokens(bitmask, row, [self._eos])
+            return
+        target = bitmask[row]
+        self.native.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._terminated:
+            self._terminated, num_tokens = False, num_tokens - 1
+        if num_tokens:
+            assert self.native.rollback(num_tokens), self.native.get_error()
+
+    def reset(self) -> None:
+        self.native.reset()
+        self._terminated = False
+
+    def jump_forward_string(self) -> str:
+        if self._terminated or self.native.is_error():
+            return ""
+        forced = self.native.compute_ff_bytes()
+        for cut in range(len(forced), max(len(forced) - 4, -1), -1):   # whole characters only
+            try:
+                return forced[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+        return ""
+
+
+class LLGuidanceCompiled(CompiledGrammar):
+    """The grammar string and the first matcher, built in the compile pool; later
+    matchers are built fresh (llguidance's deep_copy was seen to break a copy)."""
+    backend_name = "llguidance"
+
+    def __init__(self, grammar: str, tokenizer: llg.LLTokenizer, eos_token_id: int):
+        self.grammar = grammar
+        self._tokenizer = tokenizer
+        self._eos = eos_token_id
+        self._first: llg.LLMatcher | None = self._build()
+
+    def _build(self) -> llg.LLMatcher:
+        native = llg.LLMatcher(self._tokenizer, self.grammar, log_level=0)
+        if native.is_error():
+            raise ValueError(f"llguidance cannot compile this constraint: {native.get_error()}")
+        return native
+
+    def new_matcher(self) -> LLGuidanceMatcher:
+        native, self._first = (self._first, None) if self._first is not None else (self._build(), None)
+        return LLGuidanceMatcher(native, self._eos)
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, vocab: TokenVocab, tokenizer, *, max_threads: int = 2,
+                 batch_fill_min: int = 64):
+        self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(vocab, tokenizer)),
+                                         n_vocab=vocab.vocab_size)
+        # As with xgrammar: on 2 busy cores one-by-one fills beat the thread pool
+        # for small batches.
+        self._executor = llg.LLExecutor(max_threads)
+        self._batch_fill_min = batch_fill_min
+        self._eos = vocab.eos_token_id
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        to_llguidance(params)
+
+    def compile(self, params: StructuredOutputsParams) -> LLGuidanceCompiled:
+        return LLGuidanceCompiled(to_llguidance(params), self.tokenizer, self._eos)
+
+    def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
+                      rows: Sequence[int]) -> None:
+        live: list[tuple[llg.LLMatcher, int]] = []
+        first_row: dict[int, int] = {}
+        copies: list[tuple[int, int]] = []
+        for m, row in zip(matchers, rows):
+            assert isinstance(m, LLGuidanceMatcher)
+            if id(m) in first_row:          # one matcher filled once, from one thread
+                copies.append((first_row[id(m)], row))
+                continue
+            first_row[id(m)] = row
+            if m.is_terminated() or m.native.is_error() or len(matchers) < self._batch_fill_min:
+                m.fill_bitmask(bitmask, row)
+            else:
+                live.append((m.native, row))
+        if live:
+            assert bitmask.is_contiguous()
+            self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), bitmask.shape[1] * 4,
+                                                   bitmask.shape[0])
+        for src, dst in copies:
+            bitmask[dst].copy_(bitmask[src])

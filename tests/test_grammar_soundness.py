@@ -1,0 +1,230 @@
+"""Regressions for the ways a mask let invalid output through or a rejection named
+nothing (measured on held-out JSONSchemaBench schemas), one test per finding.
+Every acceptance is judged against jsonschema on the original schema."""
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+
+from formwork.grammar.backend import allocate_bitmask, allowed_token_ids
+from formwork.grammar.manager import build_backend
+from formwork.grammar.schema_check import UnsupportedSchemaError
+from formwork.grammar.schema_lengths import plain_length_pattern
+from formwork.grammar.selection import choose_backend
+from formwork.grammar.vocab import TokenVocab
+from formwork.schemas.structured import StructuredOutputsParams as P
+
+VOCAB = 49152
+ALL = ("auto", "llguidance", "xgrammar", "outlines")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from formwork.core.tokenizer import load_tokenizer
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer):
+    return TokenVocab.from_tokenizer(tokenizer, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def compile_for(tokenizer, vocab):
+    backends: dict = {}
+
+    def compile_(params: P):
+        name = choose_backend(params)
+        if name not in backends:
+            backends[name] = build_backend(name, vocab, tokenizer)
+        return name, backends[name].compile(params)
+    return compile_
+
+
+def accepts(compiled, tokenizer, vocab, text: str) -> bool:
+    m = compiled.new_matcher()
+    return m.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) \
+        and m.accept_tokens([vocab.eos_token_id]) and m.is_terminated()
+
+
+def judge(compiled, tokenizer, vocab, schema, texts: dict[str, bool]) -> None:
+    """Each text: accepted exactly when expected, and expectation == jsonschema's."""
+    for text, expected in texts.items():
+        try:
+            valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+        except json.JSONDecodeError:
+            valid = False
+        assert valid == expected, text
+        assert accepts(compiled, tokenizer, vocab, text) == expected, text
+
+
+PATTERNS = {   # pattern -> {JSON text: valid}
+    "^\\d\\d(\\.\\d+)?$": {'"125"': False, '"12.5"': True, '"12"': True, '"1a"': False},
+    "^[0-9]\\.[0-9]\\.[0-9](-[0-9A-Za-z]+)?$": {'"1.9.4abc"': False, '"1.9.4-abc"': True,
+                                                  '"1.9.4"': True},
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "outlines"])
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_patterns_are_enforced_exactly(backend, pattern, compile_for, tokenizer, vocab):
+    schema = {"type": "string", "pattern": pattern}
+    _, compiled = compile_for(P(json=schema, backend=backend))
+    judge(compiled, tokenizer, vocab, schema, PATTERNS[pattern])
+
+
+def test_xgrammar_refuses_patterns_it_would_compile_loosely():
+    schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": "^\\d\\d(\\.\\d+)?$"}}}
+    with pytest.raises(UnsupportedSchemaError, match=r"'pattern' at \$\.properties\.v"):
+        choose_backend(P(json=schema, backend="xgrammar"))
+    assert choose_backend(P(json=schema)) == "llguidance"
+
+
+def test_outlines_digits_are_ascii(compile_for, tokenizer, vocab):
+    schema = {"type": "string", "pattern": "^\\d+$"}
+    _, compiled = compile_for(P(json=schema, backend="outlines"))
+    assert accepts(compiled, tokenizer, vocab, '"123"')
+    assert not accepts(compiled, tokenizer, vocab, '"\u0661\u0662"')   # Arabic-Indic digits
+    with pytest.raises(UnsupportedSchemaError, match="'pattern'"):
+        choose_backend(P(json={"type": "string", "pattern": "^[\\D]+$"}, backend="outlines"))
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_no_raw_control_character_inside_a_string(backend, compile_for, tokenizer, vocab):
+    name, compiled = compile_for(P(json=CITY, backend=backend, whitespace="compact"))
+    assert accepts(compiled, tokenizer, vocab, '{"city":"ab"}')
+    for raw in ("\x1c", "\x00", "\t", "\n"):
+        assert not accepts(compiled, tokenizer, vocab, '{"city":"a' + raw + 'b"}'), (name, raw)
+    m = compiled.new_matcher()                      # nor does the mask offer one
+    assert m.accept_tokens(tokenizer.encode('{"city":"a', add_special_tokens=False))
+    bm = allocate_bitmask(1, VOCAB)
+    m.fill_bitmask(bm, 0)
+    allowed = allowed_token_ids(bm, 0, VOCAB)
+    assert not [t for t in allowed if vocab.token_bytes[t] and any(b < 0x20 for b in vocab.token_bytes[t])]
+    assert not set(allowed) & (set(vocab.special_ids) - {vocab.eos_token_id})
+
+
+def test_xgrammar_plain_length_pattern_is_exact(compile_for, tokenizer, vocab):
+    """The pattern formwork gives xgrammar for a length-bounded string: random texts
+    over quotes, backslashes, controls and multi-byte characters are accepted
+    exactly when they are JSON strings of 2..4 characters needing no escape."""
+    schema = {"type": "string", "pattern": plain_length_pattern(2, 4)}
+    _, compiled = compile_for(P(json={"type": "string", "minLength": 2, "maxLength": 4},
+                                backend="xgrammar", whitespace="compact"))
+    rng = random.Random(7)
+    alphabet = ["a", "Z", " ", "\u00e9", "\U0001F600", '"', "\\", "\x1c", "\x7f", "\t"]
+    for _ in range(150):
+        body = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6)))
+        text = f'"{body}"'
+        try:
+            expected = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) and \
+                len(json.loads(text)) == len(body)
+        except json.JSONDecodeError:
+            expected = False
+        assert accepts(compiled, tokenizer, vocab, text) == expected, repr(text)
+
+
+@pytest.mark.parametrize("schema,backend,keyword,path", [
+    ({"type": "object", "properties": {"n": {"type": "integer", "maximum": 9223372036854776000}}},
+     "xgrammar", "maximum", "$.properties.n"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 3, "items": False},
+     "xgrammar", "minItems", "$"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 3, "items": False},
+     "auto", "minItems", "$"),
+    ({"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}},
+     "auto", "uniqueItems", "$.properties.t"),
+    ({"type": "object", "properties": {"s": {"type": "string", "format": "x-unknown"}}},
+     "llguidance", "format", "$.properties.s"),
+    ({"type": "object", "properties": {"out": {}}, "required": ["out"]},
+     "outlines", "properties", "$"),
+])
+def test_every_rejection_names_keyword_and_path(schema, backend, keyword, path):
+    with pytest.raises(UnsupportedSchemaError) as info:
+        choose_backend(P(json=schema, backend=backend))
+    issue = info.value.issues[0]
+    assert (issue.keyword, issue.path) == (keyword, path), str(info.value)
+    assert str(info.value).startswith(f"unsupported JSON Schema keyword '{keyword}' at {path}")
+
+
+def test_huge_integer_bound_is_served_by_auto(compile_for, tokenizer, vocab):
+    schema = {"type": "integer", "maximum": 9223372036854776000}
+    name, compiled = compile_for(P(json=schema))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {"12": True, "1.5": False, '"1"': False})
+
+
+UNDECLARED = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_undeclared_properties_follow_the_schema_under_auto(compile_for, tokenizer, vocab):
+    """Documented choice: `auto` (llguidance) generates what the schema allows,
+    undeclared properties included; closed objects stay closed. Explicit xgrammar
+    keeps its strict mode and refuses undeclared properties."""
+    name, compiled = compile_for(P(json=UNDECLARED, whitespace="compact"))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, UNDECLARED, {'{"a":1,"b":"x"}': True, '{"a":1}': True})
+    closed = UNDECLARED | {"additionalProperties": False}
+    _, compiled = compile_for(P(json=closed, whitespace="compact"))
+    judge(compiled, tokenizer, vocab, closed, {'{"a":1,"b":"x"}': False, '{"a":1}': True})
+    _, strict = compile_for(P(json=UNDECLARED, backend="xgrammar", whitespace="compact"))
+    assert accepts(strict, tokenizer, vocab, '{"a":1}')
+    assert not accepts(strict, tokenizer, vocab, '{"a":1,"b":"x"}')
+
+
+def test_outlines_root_array_next_to_properties(compile_for, tokenizer, vocab):
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 3,
+              "properties": {"a": {"type": "integer"}}}
+    _, compiled = compile_for(P(json=schema, backend="outlines", whitespace="compact"))
+    judge(compiled, tokenizer, vocab, schema, {"[1,2]": True, "[]": True, "{}": False,
+                                               '{"a":1}': False})
+
+
+def test_outlines_refuses_untyped_properties_that_it_would_mangle():
+    schema = {"type": "object", "properties": {"out": {"description": "anything"}},
+              "required": ["out"], "additionalProperties": False}
+    with pytest.raises(UnsupportedSchemaError, match="'properties'.*admits any value"):
+        choose_backend(P(json=schema, backend="outlines"))
+    assert choose_backend(P(json=schema)) == "llguidance"
+
+
+def test_a_schema_cannot_switch_llguidance_to_lenient():
+    schema = {"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}
+    with pytest.raises(UnsupportedSchemaError, match="'uniqueItems'"):
+        choose_backend(P(json=schema, backend="llguidance"))
+
+
+def test_oneof_proved_disjoint_by_formwork_is_served_by_llguidance(compile_for, tokenizer, vocab):
+    schema = {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "n": {"type": "integer"}},
+                         "required": ["k", "n"], "additionalProperties": False},
+                        {"type": "object", "properties": {"k": {"const": "b"}},
+                         "required": ["k"], "additionalProperties": False}]}
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {'{"k":"a","n":1}': True, '{"k":"b"}': True,
+                                               '{"k":"b","n":1}': False, '{"k":"c"}': False})
+
+
+@pytest.mark.parametrize("params,expected", [
+    (P(json={"type": "integer"}), "llguidance"),
+    (P(json_object=True), "llguidance"),
+    (P(json={"type": "array", "uniqueItems": True}, backend="guidance"), None),
+    (P(regex="[a-z]+"), "xgrammar"),
+    (P(regex="\\p{L}+"), "llguidance"),
+    (P(choice=["a", "b"]), "xgrammar"),
+    (P(grammar='root ::= "a" | "b"'), "xgrammar"),
+    (P(grammar='start: "a" | "b"'), "llguidance"),
+    (P(choice=["a", "b"], backend="guidance"), "llguidance"),
+])
+def test_auto_order(params, expected):
+    if expected is None:
+        with pytest.raises(UnsupportedSchemaError, match="backend: llguidance"):
+            choose_backend(params)
+    else:
+        assert choose_backend(params) == expected
