@@ -62,6 +62,7 @@ class Result:
     walk_invalid: list[str] = field(default_factory=list)  # finished walks that do not validate
     walk_format: int = 0         # finished walks valid except for a `format`
     walk_special: int = 0        # walks whose mask allowed a special token
+    walk_errors: list[str] = field(default_factory=list)  # the matcher failed (resource limit)
     restrictive: list[str] = field(default_factory=list)  # valid rejected: "key-order"/"other"
 
 
@@ -111,7 +112,7 @@ def _reorder(instance, schema, root, strip: bool = False):
 
 class Runner:
     def __init__(self, tokenizer, vocab_size: int, backend: str, walks: int = 0,
-                 walk_tokens: int = 256, seed: int = 0):
+                 walk_tokens: int = 256, seed: int = 0, additional_properties: str = "declared"):
         from formwork.grammar.vocab import TokenVocab
 
         self.tok = tokenizer
@@ -119,6 +120,7 @@ class Runner:
         self.backends: dict = {}
         self.backend = backend
         self.walks, self.walk_tokens, self.seed = walks, walk_tokens, seed
+        self.additional_properties = additional_properties
         # token ids whose text closes something: the walks favour them so they finish
         self.closing = [i for i, b in enumerate(self.vocab.token_bytes)
                         if b and any(ch in b for ch in b'}]"') and len(b) <= 3]
@@ -144,7 +146,8 @@ class Runner:
         from formwork.schemas.structured import StructuredOutputsParams
 
         res = Result(case.subset, case.name, accepted=False)
-        params = StructuredOutputsParams(json=case.schema, backend=self.backend)
+        params = StructuredOutputsParams(json=case.schema, backend=self.backend,
+                                         additional_properties=self.additional_properties)
         start = time.perf_counter()
         try:
             res.backend = choose_backend(params)
@@ -192,13 +195,17 @@ class Runner:
                 torch.nonzero(allowed).flatten().tolist()
             ids = [i for i in ids if i != eos]
             if allowed[eos] and (not ids or rng.random() < 0.3 or step > self.walk_tokens // 2):
-                assert matcher.accept_tokens([eos]), "mask allowed eos but the matcher refused it"
+                if not matcher.accept_tokens([eos]):
+                    self._refused(res, matcher, eos)
+                    return
                 break
             if not ids:
                 res.walk_invalid.append("dead end: the mask allows no token")
                 return
             tid = rng.choice(ids)
-            assert matcher.accept_tokens([tid]), f"mask allowed {tid} but the matcher refused it"
+            if not matcher.accept_tokens([tid]):
+                self._refused(res, matcher, tid)
+                return
             out.append(tid)
         else:
             res.walks_unfinished += 1
@@ -215,6 +222,15 @@ class Runner:
             res.walk_invalid.append(f"{errors[0].validator}: {text[:120]!r}")
         elif not validator.evolve(format_checker=validator.FORMAT_CHECKER).is_valid(instance):
             res.walk_format += 1
+
+    @staticmethod
+    def _refused(res, matcher, token_id: int) -> None:
+        """The mask allowed a token the matcher then refused: a failed matcher (the
+        engine ends such a request with an error) or a mask/matcher disagreement."""
+        if error := getattr(matcher, "error", ""):
+            res.walk_errors.append(error.splitlines()[0])
+        else:
+            raise AssertionError(f"mask allowed {token_id} but the matcher refused it")
 
     def _check_instance(self, res, compiled, validator, schema, instance) -> None:
         errors = list(validator.iter_errors(instance))
@@ -278,7 +294,8 @@ def summarize(results: list[Result]) -> str:
                  f"{sum(r.walks_unfinished for r in results)} unfinished; invalid outputs "
                  f"{len(invalid)} (in {len({n for n, _ in invalid})} schemas); valid but for a "
                  f"format {sum(r.walk_format for r in results)}; special token allowed in "
-                 f"{sum(r.walk_special for r in results)}")
+                 f"{sum(r.walk_special for r in results)}; matcher failed "
+                 f"{sum(len(r.walk_errors) for r in results)}")
     lines += [f"  invalid walk output {name}: {w}" for name, w in invalid[:20]]
     times = sorted(r.compile_s for r in results if r.accepted)
     if times:
@@ -301,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="auto", choices=("auto", "llguidance", "xgrammar", "outlines"))
     ap.add_argument("--walks", type=int, default=4, help="random walks per accepted schema")
     ap.add_argument("--walk-tokens", type=int, default=256, help="tokens before a walk gives up")
+    ap.add_argument("--additional-properties", default="declared", choices=("declared", "schema"),
+                    help="undeclared properties: the default, or whatever the schema allows")
     ap.add_argument("--subset", default=None)
     ap.add_argument("--corpus", type=pathlib.Path, default=CORPUS,
                     help=f"JSONSchemaBench-layout folder (default {CORPUS})")
@@ -311,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     from formwork.core.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
-    runner = Runner(tokenizer, len(tokenizer), args.backend, args.walks, args.walk_tokens)
+    runner = Runner(tokenizer, len(tokenizer), args.backend, args.walks, args.walk_tokens,
+                    additional_properties=args.additional_properties)
     results = []
     for case in load_cases(args.subset, args.limit, args.corpus):
         results.append(runner.run(case))

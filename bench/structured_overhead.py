@@ -78,7 +78,8 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--backend", default="xgrammar")
+    ap.add_argument("--backend", default="auto",
+                    choices=("auto", "llguidance", "xgrammar", "outlines"))
     args = ap.parse_args(argv)
     from formwork import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batches))

@@ -17,7 +17,8 @@ class StructuredOutputManagerProtocol(Protocol):
     def status(self, request_id: str) -> GrammarStatus: ...
 
     def error(self, request_id: str) -> str:
-        """Why compilation failed (status() == "failed")."""
+        """Why compilation failed (status() == "failed"), or why the matcher refused
+        to go on after accept_tokens() said False ('' if it simply refused a token)."""
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
         """Advance the matcher; False if a token is not allowed (nothing advanced)."""

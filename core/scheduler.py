@@ -212,7 +212,7 @@ class Scheduler:
         rid = req.request_id
         if req.use_structured_output:
             if not self.som.accept_tokens(rid, [token_id]):
-                req.error = "grammar rejected token"
+                req.error = self.som.error(rid) or "grammar rejected token"
                 return RequestStatus.FINISHED_ERROR
             if self.som.is_terminated(rid):
                 return RequestStatus.FINISHED_STOPPED

@@ -48,6 +48,16 @@ def allowed_token_ids(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[
     return torch.nonzero(allowed_mask(bitmask, row, vocab_size)).flatten().tolist()
 
 
+def complete_utf8_prefix(data: bytes) -> str:
+    """The longest prefix of `data` made of whole UTF-8 characters, decoded."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return ""
+
+
 class Matcher(ABC):
     """Mutable matching state of one request. Not thread-safe: one owner thread."""
 

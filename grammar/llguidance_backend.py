@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +22,13 @@ import llguidance as llg
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from formwork.grammar.backend import CompiledGrammar, GrammarBackend, Matcher, set_only_tokens
+from formwork.grammar.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    Matcher,
+    complete_utf8_prefix,
+    set_only_tokens,
+)
 from formwork.grammar.regex_safety import escape_literal
 from formwork.grammar.schema_check import (
     SchemaIssue,
@@ -31,6 +39,7 @@ from formwork.grammar.schema_check import (
 )
 from formwork.grammar.schema_normalize import map_subschemas, normalize
 from formwork.grammar.schema_oneof import pairwise_disjoint
+from formwork.grammar.schema_rewrites import close_declared
 from formwork.grammar.schema_walk import validator_class
 from formwork.grammar.vocab import TokenVocab
 from formwork.schemas.structured import StructuredOutputsParams
@@ -38,6 +47,14 @@ from formwork.schemas.structured import StructuredOutputsParams
 # A schema's own "x-guidance" options are applied before these, so it can never
 # turn on `lenient` (ignore unimplemented keywords) or `coerce_one_of` (oneOf as anyOf).
 _SOUND = {"lenient": False, "coerce_one_of": False}
+# llguidance bounds the lexer work per token ("fuel"); past it the matcher enters a
+# permanent error state mid-generation ("too many expressions constructed").
+# Patterned strings under a length bound (`^(?:\\S+\\s+){0,49}\\S+$` with
+# maxLength 500, JSONSchemaBench Github_medium/o21142) ran out at the defaults
+# (step 200k, initial 1M) within ~100 tokens; 10x keeps those alive and still
+# bounds one mask step. A matcher that errors anyway ends its request with the
+# error (never an unconstrained or truncated output).
+LIMITS = dict(step_lexer_fuel=2_000_000, initial_lexer_fuel=10_000_000)
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
 _FORMAT = re.compile(r"Unknown format: (\S+)")
 
@@ -77,6 +94,9 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
 
 
 def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
+    if params.additional_properties == "declared" and isinstance(schema, dict) \
+            and '"allOf"' not in json.dumps(schema):    # closing allOf branches would clash
+        schema = map_subschemas(schema, close_declared)
     return llg.LLMatcher.grammar_from_json_schema(
         {} if schema is True else schema, defaults=json_options(params), overrides=_SOUND)
 
@@ -115,8 +135,29 @@ def _disjoint_one_of_as_any_of(root: Any) -> Any:
     return map_subschemas(root, rewrite)
 
 
+# Grammars already checked: `auto` checks a constraint, then the compile pool
+# compiles it; without this the grammar would be built and validated twice.
+_CHECKED: OrderedDict[str, str] = OrderedDict()
+_CHECKED_LOCK = threading.Lock()
+_CHECKED_SIZE = 512
+
+
 def to_llguidance(params: StructuredOutputsParams) -> str:
     """Check `params` and return the llguidance grammar (a string) that enforces it."""
+    key = params.cache_key()
+    with _CHECKED_LOCK:
+        if key in _CHECKED:
+            _CHECKED.move_to_end(key)
+            return _CHECKED[key]
+    grammar = _checked_grammar(params)
+    with _CHECKED_LOCK:
+        _CHECKED[key] = grammar
+        while len(_CHECKED) > _CHECKED_SIZE:
+            _CHECKED.popitem(last=False)
+    return grammar
+
+
+def _checked_grammar(params: StructuredOutputsParams) -> str:
     kind, spec = params.kind(), params.spec()
     if kind == "json":
         return _checked_json(spec, params)
@@ -165,6 +206,11 @@ class LLGuidanceMatcher(Matcher):
         self._eos = eos_token_id
         self._terminated = False   # the eos token was accepted
 
+    @property
+    def error(self) -> str:
+        """Why the matcher stopped working (a resource limit), '' if it did not."""
+        return self.native.get_error() if self.native.is_error() else ""
+
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         # Checked before consuming: a refused token would put llguidance in a
         # permanent error state. Its validate_tokens refuses the eos token once
@@ -172,9 +218,11 @@ class LLGuidanceMatcher(Matcher):
         ids = [int(t) for t in token_ids]
         stop = bool(ids) and ids[-1] == self._eos
         body = ids[:-1] if stop else ids
-        if self._terminated or self.native.validate_tokens(body) != len(body):
+        if self._terminated or self.native.is_error() \
+                or self.native.validate_tokens(body) != len(body):
             return False
-        assert self.native.consume_tokens(body), self.native.get_error()
+        if not self.native.consume_tokens(body):     # a resource limit hit while consuming
+            return False
         if stop:
             if not self.native.is_accepting():
                 self.native.rollback(len(body))
@@ -197,7 +245,7 @@ class LLGuidanceMatcher(Matcher):
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and self._terminated:
             self._terminated, num_tokens = False, num_tokens - 1
-        if num_tokens:
+        if num_tokens and not self.native.is_error():   # a failed matcher stays failed
             assert self.native.rollback(num_tokens), self.native.get_error()
 
     def reset(self) -> None:
@@ -207,13 +255,7 @@ class LLGuidanceMatcher(Matcher):
     def jump_forward_string(self) -> str:
         if self._terminated or self.native.is_error():
             return ""
-        forced = self.native.compute_ff_bytes()
-        for cut in range(len(forced), max(len(forced) - 4, -1), -1):   # whole characters only
-            try:
-                return forced[:cut].decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-        return ""
+        return complete_utf8_prefix(self.native.compute_ff_bytes())
 
 
 class LLGuidanceCompiled(CompiledGrammar):
@@ -228,7 +270,8 @@ class LLGuidanceCompiled(CompiledGrammar):
         self._first: llg.LLMatcher | None = self._build()
 
     def _build(self) -> llg.LLMatcher:
-        native = llg.LLMatcher(self._tokenizer, self.grammar, log_level=0)
+        native = llg.LLMatcher(self._tokenizer, self.grammar, log_level=0,
+                               limits=llg.LLParserLimits(**LIMITS))
         if native.is_error():
             raise ValueError(f"llguidance cannot compile this constraint: {native.get_error()}")
         return native

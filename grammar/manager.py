@@ -194,8 +194,14 @@ class StructuredOutputManager:
         return entry.matcher
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
-        """Advance the matcher; False (state unchanged) if a token is not allowed."""
-        return self._matcher(request_id).accept_tokens(token_ids)
+        """Advance the matcher; False (state unchanged) if a token is not allowed, or
+        if the matcher failed (a backend resource limit): error() then says why."""
+        matcher = self._matcher(request_id)
+        if matcher.accept_tokens(token_ids):
+            return True
+        if reason := getattr(matcher, "error", ""):
+            self._requests[request_id].error = f"grammar matcher failed: {reason.splitlines()[0]}"
+        return False
 
     def is_terminated(self, request_id: str) -> bool:
         return self._matcher(request_id).is_terminated()

@@ -17,6 +17,7 @@ from formwork.grammar.backend import (
     GrammarBackend,
     Matcher,
     bitmask_words,
+    complete_utf8_prefix,
     set_only_tokens,
 )
 from formwork.grammar.outlines_worker import build_index, build_json_regex
@@ -44,6 +45,9 @@ def to_regex(params: StructuredOutputsParams) -> str:
     """Check `params` and return the regex outlines-core will enforce."""
     kind, spec = params.kind(), params.spec()
     ws = whitespace_pattern(params)
+    if params.additional_properties == "schema" and kind == "json":
+        raise ValueError("structured_outputs.additional_properties='schema' is served by "
+                         "backend 'llguidance' only")
     if kind == "json":
         schema = check_schema(spec, "outlines")
         schema = {} if schema is True else schema
@@ -89,15 +93,6 @@ def _common_prefix(items: list[bytes]) -> bytes:
     while n < len(lo) and lo[n] == hi[n]:
         n += 1
     return lo[:n]
-
-
-def _complete_utf8(data: bytes) -> str:
-    for cut in range(len(data), max(len(data) - 4, -1), -1):
-        try:
-            return data[:cut].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-    return ""
 
 
 class OutlinesCompiled(CompiledGrammar):
@@ -195,7 +190,7 @@ class OutlinesMatcher(Matcher):
             state = index.get_next_state(state, tid)
             if state is None:
                 break
-        return _complete_utf8(out)
+        return complete_utf8_prefix(out)
 
 
 class OutlinesBackend(GrammarBackend):

@@ -64,7 +64,8 @@ class UnsupportedSchemaError(ValueError):
 
 
 def check_metaschema(schema: Any) -> None:
-    """Raise ValueError unless `schema` is valid against its draft's meta-schema."""
+    """Raise ValueError unless `schema` is valid against its draft's meta-schema and
+    its bounds can be met."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
@@ -77,6 +78,29 @@ def check_metaschema(schema: Any) -> None:
         for key in err.absolute_path:
             path = child_path(path, key)
         raise ValueError(f"invalid JSON Schema at {path}: {err.message}") from None
+    check_bounds(schema)
+
+
+_BOUND_PAIRS = (("minLength", "maxLength", "string"), ("minItems", "maxItems", "array"),
+                ("minProperties", "maxProperties", "object"), ("minimum", "maximum", "number"),
+                ("minContains", "maxContains", "array"))
+
+
+def check_bounds(schema: Any) -> None:
+    """Raise ValueError naming the keyword and path of a lower bound above its upper
+    bound (`minLength: 5, maxLength: 2`): valid JSON Schema, but nothing can meet it."""
+    if not isinstance(schema, dict):
+        return
+    for node in iter_nodes(schema):
+        for lo, hi, what in _BOUND_PAIRS:
+            a, b = node.schema.get(lo), node.schema.get(hi)
+            if _number(a) and _number(b) and a > b:
+                raise ValueError(f"invalid JSON Schema at {node.path}: {lo} {a} > {hi} {b}, "
+                                 f"no {what} satisfies both")
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 RuleFn = Callable[[SchemaNode, Any, Any], list[tuple[str, str]]]

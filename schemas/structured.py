@@ -27,6 +27,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     backend:        "auto" (per kind, the first backend that enforces the
                     constraint exactly: grammar/selection.py), "llguidance"
                     (alias "guidance"), "xgrammar" or "outlines".
+    additional_properties: "declared" (default: an object schema that lists
+                    `properties` but says nothing about others generates only
+                    the declared ones, as OpenAI strict mode and vLLM's default
+                    do) or "schema" (generate whatever the schema allows,
+                    undeclared properties included; llguidance only).
     """
 
     json: dict | str | None = None
@@ -38,6 +43,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     whitespace: Literal["compact", "flexible"] = "flexible"
     max_whitespace: int = 2
     backend: str = "auto"
+    additional_properties: Literal["declared", "schema"] = "declared"
 
     def kind(self) -> str:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -65,6 +71,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 f"structured_outputs.backend: must be one of {BACKENDS}, got {self.backend!r}")
         if self.whitespace not in ("compact", "flexible"):
             raise ValueError("structured_outputs.whitespace: must be 'compact' or 'flexible'")
+        if self.additional_properties not in ("declared", "schema"):
+            raise ValueError("structured_outputs.additional_properties: must be 'declared' or 'schema'")
         if not 0 <= self.max_whitespace <= 64:
             raise ValueError("structured_outputs.max_whitespace: must be in [0, 64]")
         value = self.spec()
@@ -81,5 +89,6 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         kind = self.kind()
         value = self.spec()
         return json.dumps(
-            [kind, value, self.whitespace, self.max_whitespace, self.backend],
+            [kind, value, self.whitespace, self.max_whitespace, self.backend,
+             self.additional_properties],
             sort_keys=True, separators=(",", ":"))

@@ -29,6 +29,15 @@ def default_model_dir() -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
+def tokenizer():
+    """The default model's tokenizer as the engine loads it (test modules that need
+    the HF AutoTokenizer of the converted folder define their own)."""
+    from formwork.core.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> pathlib.Path:
     """A 2-layer random-weight Llama (hidden 64, 4 heads, 2 KV heads, head_dim 16)
     with the default model's tokenizer, saved in HF format."""

@@ -101,12 +101,6 @@ BACKEND_KINDS = [(b, k) for b in BACKENDS for k in CASES
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from formwork.core.tokenizer import load_tokenizer
-    return load_tokenizer(None)
-
-
-@pytest.fixture(scope="module")
 def vocab(tokenizer):
     return TokenVocab.from_tokenizer(tokenizer, VOCAB)
 

@@ -40,12 +40,6 @@ EXPECTED_REWRITTEN = {"xgrammar": {"o11794": "required names declared",
                                    "wp_100_Normalized": "draft-04 dependencies expanded"}}
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from formwork.core.tokenizer import load_tokenizer
-    return load_tokenizer(None)
-
-
 _RESULTS: dict[str, list] = {}
 
 

@@ -17,12 +17,6 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type
           "required": ["n", "s"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from formwork.core.tokenizer import load_tokenizer
-    return load_tokenizer(None)
-
-
 @pytest.fixture
 def manager(tokenizer):
     m = StructuredOutputManager(tokenizer, VOCAB, compile_timeout_s=20.0)
@@ -164,6 +158,43 @@ def test_bitmask_rows_match_per_request_matchers(manager, tokenizer):
     dup = manager.fill_bitmask(["j", "c"] * 40)
     for row in range(80):
         assert torch.equal(dup[row], j_row if row % 2 == 0 else c_row), row
+
+
+def test_a_matcher_that_fails_mid_stream_ends_its_request_with_the_reason(manager, tokenizer,
+                                                                          monkeypatch):
+    """llguidance's per-token lexer fuel: a patterned string under a length bound
+    ran out of it mid-generation (JSONSchemaBench Github_medium/o21142). Formwork's
+    limits keep such a schema alive; if a matcher fails anyway, accept_tokens says
+    no (nothing raises), the manager says why, and rollback/fill stay safe."""
+    import formwork.grammar.llguidance_backend as llgb
+
+    schema = {"type": "object", "required": ["s"], "properties": {"s": {
+        "type": "string", "pattern": "^(?:\\S+\\s+){0,49}\\S+$", "maxLength": 500}}}
+    text = ids(tokenizer, '{"s": "' + " ".join(f"word{i}" for i in range(40)) + '"}')
+
+    def run(rid):
+        manager.submit(rid, P(json=schema, backend="llguidance"))
+        assert wait(manager, rid) == "ready"
+        for n, tid in enumerate(text):
+            manager.fill_bitmask([rid])
+            if not manager.accept_tokens(rid, [tid]):
+                return n
+        manager.fill_bitmask([rid])
+        return len(text) if manager.accept_tokens(rid, [tokenizer.eos_token_id]) else -1
+
+    assert run("fuel") == len(text) and manager.is_terminated("fuel")
+    monkeypatch.setitem(llgb.LIMITS, "step_lexer_fuel", 2000)   # the defaults failed the same way
+    manager._cache.clear()
+    stopped = run("starved")
+    assert 0 < stopped < len(text)
+    assert "grammar matcher failed" in manager.error("starved")
+    assert "too many expressions" in manager.error("starved")
+    matcher = manager._requests["starved"].matcher
+    matcher.rollback(1)                                # no raise on a failed matcher
+    assert not manager.accept_tokens("starved", [tokenizer.eos_token_id])
+    only_eos = manager.fill_bitmask(["starved"])
+    assert torch.nonzero(allowed_mask(only_eos, 0, VOCAB)).flatten().tolist() == \
+        [tokenizer.eos_token_id]
 
 
 def test_jump_forward_tokens_are_accepted_and_can_be_disabled(tokenizer):

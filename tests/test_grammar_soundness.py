@@ -22,12 +22,6 @@ ALL = ("auto", "llguidance", "xgrammar", "outlines")
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from formwork.core.tokenizer import load_tokenizer
-    return load_tokenizer(None)
-
-
-@pytest.fixture(scope="module")
 def vocab(tokenizer):
     return TokenVocab.from_tokenizer(tokenizer, VOCAB)
 
@@ -163,19 +157,30 @@ def test_huge_integer_bound_is_served_by_auto(compile_for, tokenizer, vocab):
 UNDECLARED = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
-def test_undeclared_properties_follow_the_schema_under_auto(compile_for, tokenizer, vocab):
-    """Documented choice: `auto` (llguidance) generates what the schema allows,
-    undeclared properties included; closed objects stay closed. Explicit xgrammar
-    keeps its strict mode and refuses undeclared properties."""
-    name, compiled = compile_for(P(json=UNDECLARED, whitespace="compact"))
+def test_undeclared_properties_are_a_documented_choice(compile_for, tokenizer, vocab):
+    """Default ("declared"): an object that lists properties and says nothing about
+    others generates only the declared ones, on every backend (as OpenAI strict
+    mode and vLLM's default). additional_properties="schema" (llguidance) generates
+    what the schema allows; an explicit additionalProperties is always honoured."""
+    for backend in ("auto", "llguidance", "xgrammar"):
+        _, closed = compile_for(P(json=UNDECLARED, backend=backend, whitespace="compact"))
+        assert accepts(closed, tokenizer, vocab, '{"a":1}')
+        assert not accepts(closed, tokenizer, vocab, '{"a":1,"b":"x"}'), backend
+    name, open_ = compile_for(P(json=UNDECLARED, whitespace="compact", additional_properties="schema"))
     assert name == "llguidance"
-    judge(compiled, tokenizer, vocab, UNDECLARED, {'{"a":1,"b":"x"}': True, '{"a":1}': True})
-    closed = UNDECLARED | {"additionalProperties": False}
-    _, compiled = compile_for(P(json=closed, whitespace="compact"))
-    judge(compiled, tokenizer, vocab, closed, {'{"a":1,"b":"x"}': False, '{"a":1}': True})
-    _, strict = compile_for(P(json=UNDECLARED, backend="xgrammar", whitespace="compact"))
-    assert accepts(strict, tokenizer, vocab, '{"a":1}')
-    assert not accepts(strict, tokenizer, vocab, '{"a":1,"b":"x"}')
+    judge(open_, tokenizer, vocab, UNDECLARED, {'{"a":1,"b":"x"}': True, '{"a":1}': True})
+    explicit = UNDECLARED | {"additionalProperties": {"type": "string"}}
+    _, compiled = compile_for(P(json=explicit, whitespace="compact"))
+    judge(compiled, tokenizer, vocab, explicit, {'{"a":1,"b":"x"}': True, '{"a":1,"b":2}': False})
+    with pytest.raises(ValueError, match="llguidance"):
+        choose_backend(P(json=UNDECLARED, backend="xgrammar", additional_properties="schema"))
+
+
+def test_contradictory_bounds_are_named():
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 2}}}
+    for backend in ALL:
+        with pytest.raises(ValueError, match=r"at \$\.properties\.a: minLength 5 > maxLength 2"):
+            choose_backend(P(json=schema, backend=backend))
 
 
 def test_outlines_root_array_next_to_properties(compile_for, tokenizer, vocab):
@@ -192,6 +197,30 @@ def test_outlines_refuses_untyped_properties_that_it_would_mangle():
     with pytest.raises(UnsupportedSchemaError, match="'properties'.*admits any value"):
         choose_backend(P(json=schema, backend="outlines"))
     assert choose_backend(P(json=schema)) == "llguidance"
+
+
+@pytest.mark.parametrize("fmt", ["date", "time", "uri", "email"])
+def test_outlines_refuses_formats_its_regex_gets_wrong(fmt, compile_for, tokenizer, vocab):
+    """outlines-core's format regexes: `date` took non-ASCII digits, `time` a raw
+    backslash ("04:53:53\\*41": not JSON), `uri` a quote, `email` control
+    characters (found by the corpus walks, Glaiveai2K/create_calendar_event_*)."""
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt}},
+              "required": ["v"], "additionalProperties": False}
+    with pytest.raises(UnsupportedSchemaError, match=r"'format' at \$\.properties\.v"):
+        choose_backend(P(json=schema, backend="outlines"))
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))   # auto still serves it
+    assert name != "outlines"
+    bad = {"date": '{"v":"\u0a6814-10-11"}', "time": '{"v":"04:53:53\\*41"}',
+           "uri": '{"v":"http://a.bc/"x"}', "email": '{"v":"\x01"}'}[fmt]
+    assert not accepts(compiled, tokenizer, vocab, bad)
+
+
+def test_outlines_date_time_format_is_ascii(compile_for, tokenizer, vocab):
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": "date-time"}},
+              "required": ["v"], "additionalProperties": False}
+    _, compiled = compile_for(P(json=schema, backend="outlines", whitespace="compact"))
+    assert accepts(compiled, tokenizer, vocab, '{"v":"2024-01-02T03:04:05Z"}')
+    assert not accepts(compiled, tokenizer, vocab, '{"v":"੨024-01-02T03:04:05Z"}')
 
 
 def test_a_schema_cannot_switch_llguidance_to_lenient():

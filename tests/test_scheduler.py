@@ -125,7 +125,7 @@ class FakeSOM:
         return self.state[request_id]
 
     def error(self, request_id):
-        return self.errors[request_id]
+        return self.errors.get(request_id, "")
 
     def accept_tokens(self, request_id, token_ids):
         if any(t in self.reject for t in token_ids):
