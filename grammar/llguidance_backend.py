@@ -41,6 +41,7 @@ from formwork.grammar.schema_normalize import map_subschemas, normalize
 from formwork.grammar.schema_oneof import pairwise_disjoint
 from formwork.grammar.schema_rewrites import close_declared
 from formwork.grammar.schema_walk import validator_class
+from formwork.grammar.structural_tag import triggered_tags
 from formwork.grammar.vocab import TokenVocab
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -93,17 +94,23 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
     return UnsupportedSchemaError(issues, "llguidance")
 
 
-def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
+def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
+    """`schema` as generated: objects closed to their declared properties by default."""
     if params.additional_properties == "declared" and isinstance(schema, dict) \
             and '"allOf"' not in json.dumps(schema):    # closing allOf branches would clash
         schema = map_subschemas(schema, close_declared)
+    return {} if schema is True else schema
+
+
+def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
     return llg.LLMatcher.grammar_from_json_schema(
-        {} if schema is True else schema, defaults=json_options(params), overrides=_SOUND)
+        _closed(schema, params), defaults=json_options(params), overrides=_SOUND)
 
 
-def _checked_json(schema: Any, params: StructuredOutputsParams) -> str:
-    """Grammar for `schema`, or for formwork's equivalent rewrite of it (allOf merged,
-    provably disjoint oneOf as anyOf, ...) when llguidance refuses the original."""
+def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, str]:
+    """(schema, grammar): `schema` or formwork's equivalent rewrite of it (allOf
+    merged, provably disjoint oneOf as anyOf, ...) when llguidance refuses the
+    original, with the grammar that enforces it."""
     check_metaschema(schema)
     if schema is False:
         raise UnsupportedSchemaError([SchemaIssue("false", "$", "the schema admits no value")],
@@ -111,14 +118,46 @@ def _checked_json(schema: Any, params: StructuredOutputsParams) -> str:
     grammar = _json_grammar(schema, params)
     error = _grammar_error(grammar)
     if not error:
-        return grammar
+        return schema, grammar
     normalized = normalize(schema)
     for rewritten in (normalized, _disjoint_one_of_as_any_of(normalized)):
         if rewritten is not schema and isinstance(rewritten, dict):
             grammar = _json_grammar(rewritten, params)
             if not _grammar_error(grammar):
-                return grammar
+                return rewritten, grammar
     raise _schema_error(schema, error)
+
+
+def _checked_json(schema: Any, params: StructuredOutputsParams) -> str:
+    return _checked_schema(schema, params)[1]
+
+
+def _lark_text(text: str) -> str:
+    return json.dumps(text) if text else ""
+
+
+def _structural_tag_lark(spec: Any, params: StructuredOutputsParams) -> str:
+    """Free text in which each trigger starts a tag: the trigger is a lazy lexeme
+    (it ends the text as soon as it appears), then the rest of `begin`, the JSON
+    its schema allows, and `end` (llguidance's documented tool-calling shape)."""
+    tt = triggered_tags(spec, params, check=lambda s: _checked_schema(s, params)[0])
+    lines, rules = ["%llguidance {}"], []
+    for i, (begin, schema, end) in enumerate(tt.tags):
+        trigger = max((t for t in tt.triggers if begin.startswith(t)), key=len)
+        embedded = _closed(schema, params)
+        embedded = (embedded if isinstance(embedded, dict) else {}) | {"x-guidance": {
+            **json_options(params), **(embedded.get("x-guidance") or {}), **_SOUND}}
+        lines.append(f"tag_{i}_trig[lazy]: TEXT {_lark_text(trigger)}")
+        lines.append(f"tag_{i}: tag_{i}_trig {_lark_text(begin[len(trigger):])} "
+                     f"%json {json.dumps(embedded)} {_lark_text(end)}")
+        rules.append(f"tag_{i}")
+    any_tag = "(" + " | ".join(rules) + ")"
+    if tt.stop_after_first:
+        start = any_tag if tt.at_least_one else f"TEXT | {any_tag}"
+    else:
+        start = f"{any_tag}{'+' if tt.at_least_one else '*'} TEXT"
+    lines += [f"start: {start}", "TEXT: /(.|\\n)*/"]
+    return "\n".join(lines)
 
 
 def _disjoint_one_of_as_any_of(root: Any) -> Any:
@@ -167,6 +206,8 @@ def _checked_grammar(params: StructuredOutputsParams) -> str:
         grammar = llg.LLMatcher.grammar_from_regex(spec)
     elif kind == "choice":
         grammar = llg.LLMatcher.grammar_from_regex("|".join(f"({escape_literal(c)})" for c in spec))
+    elif kind == "structural_tag":
+        grammar = llg.LLMatcher.grammar_from_lark(_structural_tag_lark(spec, params))
     elif kind == "grammar":
         # xgrammar's EBNF is GBNF; anything without `::=` is taken as Lark.
         try:

@@ -12,7 +12,8 @@ that accepts. Orders (measured, see README "Structured outputs"):
 - regex, choice: xgrammar, llguidance, outlines (all exact; xgrammar's regex
   dialect is the documented one, `\\d` = [0-9]).
 - grammar: xgrammar (its EBNF is the documented dialect), then llguidance (Lark).
-- structural_tag: xgrammar.
+- structural_tag: xgrammar (its own format language), then llguidance (triggered
+  tags with JSON schemas; serves the tool schemas xgrammar refuses, e.g. patterns).
 
 When none accepts, the first backend's reason is raised, e.g. "unsupported JSON
 Schema keyword 'uniqueItems' at $.properties.tags". Explicit backends are checked
@@ -37,7 +38,7 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "regex": ("xgrammar", "llguidance", "outlines"),
     "choice": ("xgrammar", "llguidance", "outlines"),
     "grammar": ("xgrammar", "llguidance"),
-    "structural_tag": ("xgrammar",),
+    "structural_tag": ("xgrammar", "llguidance"),
 }
 
 

@@ -4,6 +4,7 @@ Two spellings are accepted:
 - {"triggers": ["<tool_call>"], "structures": [{"begin", "schema", "end"}, ...]}:
   free text, and whenever a trigger starts, one of the structures (its
   `schema` constrains the JSON between `begin` and `end`);
+  vLLM's shape, the same with "type": "structural_tag";
 - xgrammar's own {"type": "structural_tag", "format": {...}}.
 Every embedded JSON Schema is checked like a `json` constraint, and its
 whitespace bounded like one.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from formwork.grammar.schema_check import SchemaIssue, UnsupportedSchemaError
@@ -72,13 +74,54 @@ def _bound_json_formats(node: Any, path: str, params: StructuredOutputsParams,
             _bound_json_formats(value, f"{path}[{i}]", params, check)
 
 
+def _is_own_format(spec: dict) -> bool:
+    """xgrammar's own spelling ({"type": "structural_tag", "format": ...}); vLLM's
+    {"type": "structural_tag", "triggers", "structures"} is the legacy one."""
+    return "format" in spec and "structures" not in spec
+
+
 def structural_tag_spec(spec: Any, params: StructuredOutputsParams,
                         check: Callable[[Any], Any]) -> dict:
     """xgrammar's structural-tag dict for `spec` (not mutated), schemas checked."""
     if not isinstance(spec, dict):
         raise ValueError("structural_tag: must be an object")
-    if spec.get("type") == "structural_tag":
+    if _is_own_format(spec):
         tag = copy.deepcopy(spec)
         _bound_json_formats(tag, "$", params, check)
         return tag
     return _legacy_to_format(spec, params, check)
+
+
+@dataclass(frozen=True, slots=True)
+class TriggeredTags:
+    """Free text; each trigger starts one of `tags` (begin, schema, end): the
+    backend-neutral view of both spellings, for backends other than xgrammar."""
+    triggers: tuple[str, ...]
+    tags: tuple[tuple[str, Any, str], ...]
+    at_least_one: bool = False
+    stop_after_first: bool = False
+
+
+def triggered_tags(spec: Any, params: StructuredOutputsParams,
+                   check: Callable[[Any], Any]) -> TriggeredTags:
+    """`spec` as TriggeredTags, schemas checked; ValueError for what only
+    xgrammar's format language can say (nested formats, regex/grammar contents)."""
+    tag = structural_tag_spec(spec, params, check)["format"]
+    if tag.get("type") != "triggered_tags":
+        raise ValueError(f"structural_tag: format type {tag.get('type')!r} is served by "
+                         "backend 'xgrammar' only")
+    tags = []
+    for i, t in enumerate(tag.get("tags") or []):
+        content = t.get("content") if isinstance(t, dict) else None
+        if not isinstance(content, dict) or content.get("type") != "json_schema":
+            raise ValueError(f"structural_tag: tags[{i}] content other than json_schema is "
+                             "served by backend 'xgrammar' only")
+        tags.append((t["begin"], content["json_schema"], t.get("end", "")))
+    triggers = tuple(tag.get("triggers") or ())
+    if not tags or not triggers:
+        raise ValueError("structural_tag: needs triggers and at least one tag")
+    for begin, _, _ in tags:
+        if not any(begin.startswith(tr) for tr in triggers):
+            raise ValueError(f"structural_tag: begin {begin!r} starts with no trigger")
+    return TriggeredTags(triggers, tuple(tags), bool(tag.get("at_least_one")),
+                         bool(tag.get("stop_after_first")))

@@ -19,6 +19,7 @@ from formwork.grammar.backend import allocate_bitmask, allowed_mask, allowed_tok
 from formwork.grammar.jump_forward import forced_tokens
 from formwork.grammar.llguidance_backend import LLGuidanceBackend
 from formwork.grammar.outlines_backend import OutlinesBackend
+from formwork.grammar.selection import choose_backend
 from formwork.grammar.vocab import TokenVocab
 from formwork.grammar.xgrammar_backend import XGrammarBackend
 from formwork.schemas.structured import StructuredOutputsParams as P
@@ -241,18 +242,56 @@ def test_outlines_rejects_what_it_cannot_enforce(backends):
             backends["outlines"].check(params)
 
 
-def test_structural_tag_tool_calls(backends, tokenizer, vocab):
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("shape", ["legacy", "vllm", "xgrammar-format"])
+def test_structural_tag_tool_calls(backend, shape, backends, tokenizer, vocab):
+    """Free text; each <tool_call> forced into a valid call. Three spellings: the
+    legacy triggers/structures, vLLM's (the same with type), xgrammar's format."""
     schema = {"type": "object", "properties": {"city": {"type": "string"}},
               "required": ["city"], "additionalProperties": False}
-    tag = {"triggers": ["<tool_call>"], "structures": [
-        {"begin": '<tool_call>{"name": "weather", "arguments": ', "schema": schema,
-         "end": "}</tool_call>"}]}
-    g = backends["xgrammar"].compile(P(structural_tag=tag, whitespace="compact"))
+    begin, end = '<tool_call>{"name": "weather", "arguments": ', "}</tool_call>"
+    if shape == "xgrammar-format":
+        tag = {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": False,
+            "stop_after_first": False, "tags": [{"type": "tag", "begin": begin, "end": end,
+                                                 "content": {"type": "json_schema",
+                                                             "json_schema": schema}}]}}
+    else:
+        tag = {"triggers": ["<tool_call>"], "structures": [
+            {"begin": begin, "schema": schema, "end": end}]}
+        if shape == "vllm":
+            tag["type"] = "structural_tag"
+    g = backends[backend].compile(P(structural_tag=tag, whitespace="compact"))
     call = '<tool_call>{"name": "weather", "arguments": {"city":"Paris"}}</tool_call>'
-    for text in ("Just text.", "Sure. " + call, call + " done"):
+    for text in ("Just text.", "Sure. " + call, call + " done", call + call):
         assert accepts(g.new_matcher(), tokenizer, vocab, text), text
-    bad = call.replace("city", "town")
-    assert not accepts(g.new_matcher(), tokenizer, vocab, bad)
+    for bad in (call.replace("city", "town"), "x <tool_call>garbage", "Sure. " + call[:-12]):
+        assert not accepts(g.new_matcher(), tokenizer, vocab, bad), bad
+
+
+def test_structural_tag_stop_after_first_and_patterns_through_llguidance(backends, tokenizer,
+                                                                        vocab):
+    """A tool schema with a `pattern` (xgrammar refuses patterns): auto serves the
+    tag through llguidance, pattern exact; stop_after_first ends the output."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+              "required": ["code"], "additionalProperties": False}
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": False,
+        "stop_after_first": True, "tags": [{"type": "tag", "begin": "<tool_call>",
+                                            "end": "</tool_call>", "content": {
+                                                "type": "json_schema", "json_schema": schema}}]}}
+    params = P(structural_tag=tag, whitespace="compact")
+    assert choose_backend(params) == "llguidance"
+    g = backends["llguidance"].compile(params)
+    call = '<tool_call>{"code":"ABC"}</tool_call>'
+    assert accepts(g.new_matcher(), tokenizer, vocab, "Text. " + call)
+    assert accepts(g.new_matcher(), tokenizer, vocab, "Only text.")
+    for bad in (call.replace("ABC", "ABCD"), call + " more", call + call):
+        assert not accepts(g.new_matcher(), tokenizer, vocab, bad), bad
+    with pytest.raises(ValueError, match="xgrammar"):
+        backends["llguidance"].check(P(structural_tag={"type": "structural_tag", "format": {
+            "type": "tag", "begin": "<a>", "end": "</a>",
+            "content": {"type": "json_schema", "json_schema": schema}}}))
 
 
 def test_outlines_index_build_is_isolated_and_bounded():
