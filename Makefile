@@ -10,6 +10,9 @@ PORT   ?= 8000
 PYTEST_ARGS ?=
 # -P: the working directory never goes on sys.path, so a run from the checkout
 # root imports the installed `formwork.*`, never a folder of the checkout.
+# The suite starts many engines and servers at once on a small box: their
+# OpenMP threads wait passively. `serve` and `bench` keep the engine's own
+# choices (README "Busy box").
 RUN    := OMP_WAIT_POLICY=PASSIVE
 PYTEST := -P -m pytest -q -rs --durations=15
 
@@ -34,7 +37,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 serve: install
-	$(RUN) $(VENV)/bin/formwork serve --host $(HOST) --port $(PORT) $(ARGS)
+	$(VENV)/bin/formwork serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: install
 	$(RUN) $(PY) $(PYTEST) $(PYTEST_ARGS)
@@ -54,7 +57,7 @@ constraints:
 	$(PYTHON) -P .ci/constraints.py freeze $(LATEST)/bin/python
 
 bench: install
-	$(RUN) $(PY) -P bench/offline_throughput.py
+	$(PY) -P bench/offline_throughput.py
 
 clean:
 	rm -rf $(VENV) $(LATEST) .pytest_cache

@@ -16,6 +16,7 @@ import time
 from typing import Callable
 
 from formwork.core.kv_cache import KVCacheManager
+from formwork.core.prompt_check import check_prompt
 from formwork.core.request import Request, RequestStatus
 from formwork.core.scheduler import Scheduler
 from formwork.schemas.config import EngineConfig
@@ -83,20 +84,17 @@ class EngineCore:
 
     def check_prompt(self, ids: list[int]) -> None:
         """ValueError naming the parameter unless `ids` is a prompt this engine can serve."""
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens do not fit the context: max_model_len is "
-                f"{self.max_model_len} (prompt plus at least one generated token)")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} outside [0, {self.vocab_size})")
+        check_prompt(ids, self.max_model_len, self.vocab_size)
 
     def abort_requests(self, request_ids) -> None:
         """Thread-safe: queued, applied at the next abort point of the engine thread."""
         with self._abort_lock:
             self._aborts.extend(request_ids)
+
+    def apply_aborts(self) -> EngineCoreOutputs:
+        """Finish the queued aborts now (engine thread, between steps): their blocks
+        are free when this returns."""
+        return EngineCoreOutputs(outputs=self._drain_aborts())
 
     def _drain_aborts(self) -> list:
         with self._abort_lock:
@@ -155,6 +153,7 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         s, kv = self.scheduler, self.kv_manager
         g = self.structured.stats() if self.structured is not None else {}
+        governor = getattr(self.executor, "governor", None)
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_waiting_for_grammar=s.num_waiting_for_grammar,
@@ -165,6 +164,8 @@ class EngineCore:
             grammar_compiles=int(g.get("compiles", 0)), grammar_cache_hits=int(g.get("cache_hits", 0)),
             grammar_compile_seconds=float(g.get("compile_seconds", 0.0)),
             bitmask_seconds=self.bitmask_seconds, steps=self.steps,
+            forward_threads=governor.threads if governor is not None else 0,
+            thread_resizes=governor.resizes if governor is not None else 0,
         )
 
     def shutdown(self) -> None:

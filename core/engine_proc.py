@@ -14,12 +14,17 @@ parent dies (PR_SET_PDEATHSIG on Linux, plus a getppid() check).
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import sys
 import time
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -58,7 +63,9 @@ def engine_info(core) -> dict[str, Any]:
             "attention_backend": info.attention_backend,
             "cuda_graph_sizes": list(info.cuda_graph_sizes),
             "structured_backend": core.config.structured_backend,
-            "load_seconds": round(info.load_seconds, 2), "pid": os.getpid()}
+            "load_seconds": round(info.load_seconds, 2), "pid": os.getpid(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "")}
 
 
 class EngineLoop:
@@ -117,7 +124,11 @@ class EngineLoop:
                     request_id=msg.add.request_id, new_token_ids=[],
                     finish_reason=FinishReason.ERROR, error=str(e))]))
         elif msg.abort is not None:
+            # applied at once (between steps), so a later message sees them done
             self.core.abort_requests(msg.abort.request_ids)
+            outs = self.core.apply_aborts()
+            if outs.outputs:
+                self._send(outs)
         elif msg.utility is not None:
             self._send(EngineCoreOutputs(utility_call_id=msg.utility.call_id,
                                          utility_result=self._utility(msg.utility.method)))
@@ -137,6 +148,58 @@ class EngineLoop:
 
     def _send(self, outs: EngineCoreOutputs) -> None:
         self.out_sock.send(self.encoder.encode(outs), copy=False)
+
+
+def start_engine_process(config: EngineConfig, input_addr: str,
+                         output_addr: str) -> multiprocessing.process.BaseProcess:
+    """Spawn the EngineCore process with the engine's OpenMP defaults.
+
+    Not daemonic: a daemonic process may not start children, and the outlines
+    backend compiles in a child process (bounded in time and memory). The child
+    still dies with its parent (PR_SET_PDEATHSIG, parent checks), and an atexit
+    hook ends it so the interpreter's exit never waits on a live engine.
+    """
+    from formwork.gpu.cpu_threads import engine_env
+
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=run_engine_core, name="EngineCore", daemon=False,
+                       args=(config, input_addr, output_addr, os.getpid(),
+                             logging.getLogger().getEffectiveLevel()))
+    with engine_env(config), _main_module_not_reimported():
+        proc.start()
+    atexit.register(_stop_at_exit, weakref.ref(proc))
+    return proc
+
+
+@contextlib.contextmanager
+def _main_module_not_reimported() -> Iterator[None]:
+    """A spawned child re-runs the parent's main script unless it is guarded by
+    `if __name__ == "__main__":` -- a script calling `LLM()` at top level would
+    start engines recursively. The engine's entry point lives in this module and
+    needs nothing from __main__, so for the moment of the spawn the main module
+    looks like an interactive session's (no __file__, no __spec__), for which
+    multiprocessing imports nothing. Restored right after."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+def _stop_at_exit(ref: "weakref.ref[multiprocessing.process.BaseProcess]") -> None:
+    proc = ref()
+    if proc is not None and proc.is_alive():
+        proc.terminate()
+        proc.join(5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -37,6 +37,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-compile-threads", type=int, default=d.grammar_compile_threads)
     g.add_argument("--no-jump-forward", action="store_true")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--no-adaptive-threads", action="store_true",
+                   help="CPU: keep --num-threads fixed instead of sizing the forward's thread "
+                        "team to the cores other processes leave free")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs: every step runs eagerly (default: decode "
@@ -57,6 +60,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         structured_backend=args.structured_outputs_backend,
         grammar_compile_threads=args.grammar_compile_threads,
         enable_jump_forward=not args.no_jump_forward, num_threads=args.num_threads,
+        adaptive_threads=not args.no_adaptive_threads,
         seed=args.seed, enforce_eager=args.enforce_eager)
 
 

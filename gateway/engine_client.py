@@ -23,7 +23,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from formwork.core.engine_proc import READY_CALL_ID, run_engine_core
+from formwork.core.engine_proc import READY_CALL_ID, start_engine_process
 from formwork.gateway.errors import PARAM_PREFIX, APIError, EngineDeadError
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
@@ -80,11 +80,7 @@ class EngineClient:
         out_addr = f"ipc://{os.path.join(self._tmpdir, 'output')}"
         self._in.bind(in_addr)
         self._out.bind(out_addr)
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(target=run_engine_core, name="EngineCore", daemon=True,
-                                 args=(self.config, in_addr, out_addr, os.getpid(),
-                                       logging.getLogger().getEffectiveLevel()))
-        self._proc.start()
+        self._proc = start_engine_process(self.config, in_addr, out_addr)
         self.info = await self._wait_ready()
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_engine_exit)

@@ -5,16 +5,20 @@
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
     outs[0].outputs[0].text, .token_ids, .finish_reason
 
-All prompts are admitted to the in-process EngineCore together and batched
-continuously by its scheduler.
+All prompts are admitted to the EngineCore together and batched continuously
+by its scheduler. The EngineCore runs in its own process by default (as vLLM
+V1's does): the caller's own torch work cannot slow it, and it starts with the
+OpenMP settings formwork chooses (gpu/cpu_threads.py). `LLM(engine_process=False)`
+(or FORMWORK_ENGINE_PROCESS=0) keeps it in this process, where `llm.engine` is
+the EngineCore itself (debugging, tests that look inside).
 """
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from typing import Any, Callable, Sequence
 
-from formwork.core.engine_core import EngineCore
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.sampling import SamplingParams
@@ -22,10 +26,25 @@ from formwork.schemas.sampling import SamplingParams
 PromptType = str | dict[str, Any]
 
 
+def _engine_process_default() -> bool:
+    value = os.environ.get("FORMWORK_ENGINE_PROCESS", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"FORMWORK_ENGINE_PROCESS: expected 0 or 1, got {value!r}")
+    return value in ("1", "true", "yes", "on")
+
+
 class LLM:
-    def __init__(self, model: str | None = None, **engine_kwargs):
+    def __init__(self, model: str | None = None, *, engine_process: bool | None = None,
+                 **engine_kwargs):
         self.config = EngineConfig(model=model, **engine_kwargs)
-        self.engine = EngineCore(self.config)
+        if engine_process is None:
+            engine_process = _engine_process_default()
+        if engine_process:
+            from formwork.gateway.engine_process import EngineProcess
+            self.engine = EngineProcess(self.config)
+        else:
+            from formwork.core.engine_core import EngineCore
+            self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -58,6 +58,8 @@ class _EngineCollector:
             "kv_cache_held_blocks": ("KV blocks held by requests.", held),
             "kv_cache_usage_perc": ("Share of KV blocks held by requests (0-1).",
                                     held / max(1, s.kv_total_blocks)),
+            "forward_threads": ("CPU threads of the forward now, sized to the cores other "
+                                "processes leave free (0: fixed).", s.forward_threads),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(f"formwork_{name}", doc)
@@ -72,6 +74,8 @@ class _EngineCollector:
             "grammar_compile_seconds": ("Seconds spent compiling grammars.", s.grammar_compile_seconds),
             "grammar_bitmask_seconds": ("Seconds spent filling grammar bitmasks.", s.bitmask_seconds),
             "engine_steps": ("Engine steps run.", s.steps),
+            "forward_thread_resizes": ("Times the forward's thread team was resized.",
+                                       s.thread_resizes),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(f"formwork_{name}", doc)

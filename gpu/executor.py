@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from formwork.gpu.attention import allocate_kv_cache, get_attention_backend, kv_cache_bytes_per_block
+from formwork.gpu.cpu_threads import ThreadGovernor
 from formwork.gpu.cuda_graph import DecodeGraphRunner, GraphFactory, capture_sizes, pick_graph_factory
 from formwork.gpu.loader import load_model
 from formwork.gpu.model import ModelConfig
@@ -115,6 +116,8 @@ class Executor:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)   # per-thread OpenMP setting: here, not the caller's
         self.device = _pick_device(config.device)
+        self.governor = (ThreadGovernor(torch.get_num_threads())
+                         if config.adaptive_threads and self.device.type == "cpu" else None)
         dtype = resolve_dtype(config.dtype, self.device)
         mcfg = ModelConfig.from_dir(model_dir)
         backend_name = config.attention_backend
@@ -145,6 +148,10 @@ class Executor:
                                  tuple(graphs.sizes) if graphs is not None else ())
 
     def _forward(self, plan: SchedulerOutput):
+        if self.governor is not None and (threads := self.governor.sample()) is not None:
+            torch.set_num_threads(threads)
+            log.info("forward threads: %d (other processes used %.1f cores)", threads,
+                     self.governor.others)
         self.timings["forward_start"] = time.perf_counter()
         try:
             return self.runner.execute_model(plan)

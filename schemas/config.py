@@ -32,6 +32,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 30.0
     enable_jump_forward: bool = True
     num_threads: int | None = None       # torch intra-op threads; None -> torch default
+    adaptive_threads: bool = True        # CPU: fewer threads while other processes take cores
     seed: int = 0
     enforce_eager: bool = False          # CUDA: skip CUDA-graph capture
 

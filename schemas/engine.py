@@ -94,6 +94,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     grammar_compile_seconds: float = 0.0
     bitmask_seconds: float = 0.0
     steps: int = 0
+    forward_threads: int = 0        # CPU: the forward's thread team now (0: not governed)
+    thread_resizes: int = 0         # times the team was resized to the free cores
 
 
 # Tagged union for the input socket: one decoder, three kinds of message.

@@ -10,8 +10,8 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=16,
-              max_num_batched_tokens=64, max_num_seqs=8)
+    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=64,
+              block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
     llm.engine.check_invariants_each_step = True
     yield llm
     llm.shutdown()
@@ -87,7 +87,7 @@ def test_preemption_recomputes_identically(tiny_model_dir):
     want = [o.outputs[0].token_ids for o in big.generate([{"prompt_token_ids": p} for p in prompts], sp,
                                                         use_tqdm=False)]
     big.shutdown()
-    small = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=14, block_size=16,
+    small = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=14, block_size=16,
                 enable_prefix_caching=False)
     small.engine.check_invariants_each_step = True
     got = [o.outputs[0].token_ids for o in small.generate([{"prompt_token_ids": p} for p in prompts], sp,

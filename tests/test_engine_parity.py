@@ -49,7 +49,7 @@ def test_prompt_lengths_differ(hf_reference):
 
 def test_alone_batched_and_prefix_cached(hf_reference):
     ids, want = hf_reference
-    llm = LLM(dtype="float32", num_kv_blocks=256)
+    llm = LLM(dtype="float32", engine_process=False, num_kv_blocks=256)
     llm.engine.check_invariants_each_step = True
     assert [run(llm, [i])[0] for i in ids] == want                 # alone
     assert run(llm, ids) == want                                   # mixed batch
@@ -70,7 +70,7 @@ def test_chunked_prefill(hf_reference):
 def test_preempted_and_recomputed(hf_reference):
     ids, want = hf_reference
     # room for about two sequences at a time: forces preemption by recompute
-    llm = LLM(dtype="float32", num_kv_blocks=10, block_size=16, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", engine_process=False, num_kv_blocks=10, block_size=16, enable_prefix_caching=False)
     llm.engine.check_invariants_each_step = True
     assert run(llm, ids) == want
     assert llm.get_stats().num_preemptions > 0

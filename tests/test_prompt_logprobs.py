@@ -88,7 +88,7 @@ def _gen(llm, prompts, **kw):
 
 def test_tiny_chunked_batched_and_scoring_only(tiny_model_dir, tiny_hf):
     prompts = [_ids(37, 1), _ids(5, 2), _ids(1, 3)]
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=8,
+    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=64, block_size=8,
               max_num_batched_tokens=16)             # 37 tokens: three chunks, odd boundaries
     llm.engine.check_invariants_each_step = True
     outs = _gen(llm, prompts, temperature=0, max_tokens=3, prompt_logprobs=K)
@@ -110,7 +110,7 @@ def test_tiny_chunked_batched_and_scoring_only(tiny_model_dir, tiny_hf):
 def test_tiny_prefix_cache_bypassed_then_reused(tiny_model_dir, tiny_hf):
     shared = _ids(40, 4)
     ids = shared + _ids(9, 5)
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=8)
+    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=64, block_size=8)
     _gen(llm, [shared], temperature=0, max_tokens=2)           # caches 4 full blocks
     hits = llm.get_stats().prefix_cache_hits
     scored = _gen(llm, [ids], temperature=0, max_tokens=2, prompt_logprobs=K)[0]
@@ -126,7 +126,7 @@ def test_tiny_preempted_during_prefill(tiny_model_dir, tiny_hf):
     # 12 blocks x 8: a long decode (A) and a long scored prompt (B) cannot both fit; B,
     # the later arrival, is preempted in the middle of its chunked prefill and recomputed.
     a, b = _ids(8, 6), _ids(80, 7)
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=12, block_size=8,
+    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=12, block_size=8,
               max_num_batched_tokens=9, enable_prefix_caching=False)
     llm.engine.check_invariants_each_step = True
     sched = llm.engine.scheduler

@@ -281,6 +281,19 @@ def test_regex_choice_grammar_via_extra_body(client, model):
     assert c.choices[0].finish_reason == "stop" and re.fullmatch(" [0-9]{2}", c.choices[0].text)
 
 
+@pytest.mark.parametrize("backend", ["outlines", "llguidance", "guidance"])
+def test_every_backend_serves_under_formwork_serve(client, model, backend):
+    """The outlines backend compiles in a child process: the engine process must
+    be allowed children (it was daemonic: "daemonic processes are not allowed to
+    have children" on every outlines request under serve)."""
+    regex = r"[A-Z][a-z]{2,9}, [0-9]{1,4}"
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name a city and its population."}],
+        temperature=0, max_tokens=20,
+        extra_body={"structured_outputs": {"regex": regex, "backend": backend}})
+    assert r.choices[0].finish_reason == "stop" and re.fullmatch(regex, r.choices[0].message.content)
+
+
 # ---- tools ----------------------------------------------------------------------------------
 
 WEATHER = {"type": "function", "function": {

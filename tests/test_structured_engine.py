@@ -18,7 +18,7 @@ SIMPLE = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=128)
+    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=128)
     llm.engine.check_invariants_each_step = True
     yield llm
     llm.shutdown()
@@ -210,8 +210,9 @@ def test_real_model_constrained_outputs_validate(backend):
         else:
             assert c.finish_reason == "length" and len(c.token_ids) == 80, (c.finish_reason, c.text)
     assert stopped >= len(outs) - 2          # the bounded constraints nearly all terminate
-    kv = llm.engine.kv_manager
-    assert kv.num_free_blocks + kv.num_cached_blocks == kv.num_blocks
+    stats = llm.get_stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.kv_free_blocks == stats.kv_total_blocks
     llm.shutdown()
 
 

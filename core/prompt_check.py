@@ -1,0 +1,16 @@
+"""The one prompt check, shared by the in-process engine, the engine-process
+client and the gateway: what an engine of this context and vocabulary serves."""
+from __future__ import annotations
+
+
+def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """ValueError naming the parameter unless `ids` is a prompt the engine can serve."""
+    if not ids:
+        raise ValueError("prompt: must not be empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt: {len(ids)} tokens do not fit the context: max_model_len is "
+            f"{max_model_len} (prompt plus at least one generated token)")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt_token_ids: token id {bad} outside [0, {vocab_size})")

@@ -1,0 +1,172 @@
+"""The offline `LLM`'s EngineCore in its own process, driven synchronously.
+
+As vLLM V1 does by default: the engine runs in a fresh spawned process (the
+same `run_engine_core` loop and ZMQ + msgspec protocol `formwork serve` uses),
+so a caller's own torch/OpenMP work cannot slow the engine's threads (with
+libgomp, once a second thread of a process has run an OpenMP region, both lose
+their spin-wait), and the engine's OpenMP settings are chosen at its start
+(`threads.engine_env`), whatever the caller's process imported first.
+
+`EngineProcess` has the surface `LLM` uses from an in-process `EngineCore`:
+add_request / abort_requests / step / has_unfinished_requests / check_prompt /
+get_stats / shutdown, plus `tokenizer`, `max_model_len`, `vocab_size`, `info`.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+import time
+from types import SimpleNamespace
+
+import msgspec
+import zmq
+
+from formwork.core.engine_proc import READY_CALL_ID, start_engine_process
+from formwork.core.prompt_check import check_prompt
+from formwork.schemas.config import EngineConfig
+from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
+                                     EngineCoreUtility, EngineStats, InputMessage)
+
+POLL_MS = 200
+
+
+class EngineDiedError(RuntimeError):
+    """The engine process exited; the requests it held are lost."""
+
+
+class EngineProcess:
+    def __init__(self, config: EngineConfig, *, ready_timeout_s: float = 900.0) -> None:
+        from formwork.core.tokenizer import load_tokenizer
+
+        self.config = config
+        self._tmpdir = tempfile.mkdtemp(prefix="formwork-llm-")
+        self._ctx = zmq.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._out = self._ctx.socket(zmq.PULL)
+        in_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
+        out_addr = f"ipc://{os.path.join(self._tmpdir, 'output')}"
+        self._in.bind(in_addr)
+        self._out.bind(out_addr)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._pending: set[str] = set()          # engine request ids not finished yet
+        self._buffered: list[EngineCoreOutputs] = []
+        self._call_ids = itertools.count(READY_CALL_ID + 1)
+        self._closed = False
+        self._proc = start_engine_process(config, in_addr, out_addr)
+        try:
+            self.tokenizer = load_tokenizer(config.model)   # while the engine loads the model
+            info = self._wait_ready(ready_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.info = SimpleNamespace(**info)
+        self.max_model_len: int = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
+
+    # -- lifecycle --------------------------------------------------------------
+    def _wait_ready(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._out.poll(POLL_MS):
+                outs = self._decoder.decode(self._out.recv())
+                result = outs.utility_result or {}
+                if outs.utility_call_id == READY_CALL_ID and "error" not in result:
+                    return result
+                raise RuntimeError(f"engine failed to start: {result.get('error', outs)}")
+            if not self._proc.is_alive():
+                raise RuntimeError(f"engine process exited during start-up "
+                                   f"(exit code {self._proc.exitcode})")
+        raise RuntimeError(f"engine not ready after {timeout_s:.0f} s")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._proc.is_alive():
+            try:
+                self._in.send(self._encoder.encode(InputMessage(shutdown=True)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._proc.join(timeout_s)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(5.0)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5.0)
+        self._ctx.destroy(linger=0)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown(timeout_s=2.0)
+        except Exception:
+            pass
+
+    # -- I/O ---------------------------------------------------------------------
+    def _send(self, msg: InputMessage) -> None:
+        data = self._encoder.encode(msg)
+        while True:
+            try:
+                self._in.send(data, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                self._check_alive()
+                time.sleep(0.005)
+
+    def _check_alive(self) -> None:
+        if self._closed or not self._proc.is_alive():
+            lost = len(self._pending)
+            self._pending.clear()
+            raise EngineDiedError(f"engine process exited (code {self._proc.exitcode}); "
+                                  f"{lost} unfinished requests lost")
+
+    def _recv(self) -> EngineCoreOutputs:
+        while not self._out.poll(POLL_MS):
+            self._check_alive()
+        return self._decoder.decode(self._out.recv())
+
+    # -- the EngineCore surface LLM uses ----------------------------------------------
+    def check_prompt(self, ids: list[int]) -> None:
+        check_prompt(ids, self.max_model_len, self.vocab_size)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._send(InputMessage(add=req))
+        self._pending.add(req.request_id)
+
+    def abort_requests(self, request_ids) -> None:
+        ids = [r for r in request_ids if r in self._pending]
+        if ids:
+            self._send(InputMessage(abort=EngineCoreAbort(request_ids=ids)))
+            self._pending.difference_update(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending)
+
+    def step(self) -> EngineCoreOutputs:
+        """The next batch of outputs the engine published (it steps on its own)."""
+        if not self._pending:
+            return EngineCoreOutputs(outputs=[])
+        outs = self._buffered.pop(0) if self._buffered else self._recv()
+        while outs.utility_call_id is not None:          # a late utility answer
+            outs = self._recv()
+        for o in outs.outputs:
+            if o.finish_reason is not None:
+                self._pending.discard(o.request_id)
+        return outs
+
+    def get_stats(self) -> EngineStats:
+        call_id = next(self._call_ids)
+        self._send(InputMessage(utility=EngineCoreUtility(call_id=call_id, method="get_stats")))
+        while True:
+            outs = self._recv()
+            if outs.utility_call_id == call_id:
+                result = outs.utility_result or {}
+                if "error" in result:
+                    raise RuntimeError(f"engine get_stats failed: {result['error']}")
+                return msgspec.convert(result, EngineStats)
+            if outs.utility_call_id is None:
+                self._buffered.append(outs)

@@ -1,0 +1,82 @@
+"""ThreadGovernor: the forward's team sized to the cores other processes leave
+free, from /proc/stat and this process's CPU time (fed here by fake clocks)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from formwork.gpu.cpu_threads import ThreadGovernor, _cpu_busy_seconds, engine_env
+
+
+class Box:
+    """A fake machine: each tick of 1 s, this process uses `own` cores and
+    other processes `others` cores."""
+
+    def __init__(self):
+        self.t = self.busy = self.own_cpu = 0.0
+
+    def tick(self, own: float, others: float) -> None:
+        self.t += 1.0
+        self.own_cpu += own
+        self.busy += own + others
+
+
+def governor(box: Box, threads: int = 2) -> ThreadGovernor:
+    return ThreadGovernor(threads, clock=lambda: box.t, cpu_busy=lambda: box.busy,
+                          own_cpu=lambda: box.own_cpu)
+
+
+def run(g: ThreadGovernor, box: Box, own: float, others: float, ticks: int) -> list[int | None]:
+    out = []
+    for _ in range(ticks):
+        box.tick(own, others)
+        out.append(g.sample())
+    return out
+
+
+def test_quiet_box_keeps_every_thread():
+    box = Box()
+    g = governor(box)
+    assert run(g, box, own=2.0, others=0.1, ticks=5) == [None] * 5 and g.threads == 2
+
+
+def test_a_busy_core_shrinks_the_team_after_two_samples_and_it_grows_back():
+    box = Box()
+    g = governor(box)
+    # a spinning 2-thread team beside a process burning one core: 1.33 vs 0.67
+    assert run(g, box, own=1.33, others=0.67, ticks=3) == [None, 1, None]
+    assert g.threads == 1 and g.resizes == 1 and g.others == pytest.approx(0.67)
+    assert run(g, box, own=1.0, others=1.0, ticks=3) == [None] * 3      # stays at 1
+    assert run(g, box, own=1.0, others=0.05, ticks=2) == [None, 2]      # the core is free again
+    assert g.threads == 2 and g.resizes == 2
+
+
+def test_one_noisy_sample_changes_nothing_and_never_below_one():
+    box = Box()
+    g = governor(box, threads=4)
+    assert run(g, box, own=2.0, others=2.0, ticks=1) == [None]
+    assert run(g, box, own=4.0, others=0.0, ticks=3) == [None] * 3 and g.threads == 4
+    assert run(g, box, own=0.5, others=3.5, ticks=2) == [None, 1]
+    assert g.threads == 1
+
+
+def test_samples_are_rate_limited_and_proc_stat_is_read():
+    box = Box()
+    g = governor(box)
+    box.t += 0.5
+    assert g.sample() is None and g._last[0] == 0.0          # too soon: nothing read
+    busy = _cpu_busy_seconds(frozenset(os.sched_getaffinity(0)))
+    assert busy is not None and busy > 0
+
+
+def test_engine_env_adds_only_what_the_user_did_not_set(monkeypatch):
+    from formwork.schemas.config import EngineConfig
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with engine_env(EngineConfig()) as added:
+        assert os.environ["GOMP_SPINCOUNT"] == "30000" and added == {"GOMP_SPINCOUNT": "30000"}
+    assert "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    with engine_env(EngineConfig()) as added:
+        assert os.environ["GOMP_SPINCOUNT"] == "7" and added == {}

@@ -1,0 +1,93 @@
+"""The offline LLM's default: the EngineCore in its own process (as vLLM V1),
+started with the engine's own OpenMP settings, surviving nothing silently."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from formwork import LLM, SamplingParams
+from formwork.gateway.engine_process import EngineDiedError
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def prompts(n: int) -> list[dict]:
+    return [{"prompt_token_ids": list(range(100 + 5 * i, 130 + 5 * i))} for i in range(n)]
+
+
+def test_engine_process_equals_in_process_and_is_another_process(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    sp = [SamplingParams(max_tokens=12 + i, **GREEDY) for i in range(5)]
+    inproc = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in inproc.generate(prompts(5), sp, use_tqdm=False)]
+    inproc.shutdown()
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)     # the default
+    try:
+        assert llm.engine.info.pid != os.getpid()
+        assert llm.engine.info.gomp_spincount == "30000"        # chosen by the engine
+        assert "GOMP_SPINCOUNT" not in os.environ               # the caller's env untouched
+        assert llm.get_stats().forward_threads >= 1             # the CPU team is governed
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(5), sp, use_tqdm=False)]
+        assert got == want
+        # an early abort (a failing callback) leaves the engine idle, blocks freed
+        with pytest.raises(RuntimeError, match="stop here"):
+            llm.generate(prompts(4), SamplingParams(max_tokens=200, **GREEDY), use_tqdm=False,
+                         on_finished=lambda i, o: (_ for _ in ()).throw(RuntimeError("stop here")))
+        stats = llm.get_stats()
+        assert stats.num_running == stats.num_waiting == 0
+        assert stats.kv_free_blocks == stats.kv_total_blocks
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts(5), sp, use_tqdm=False)]
+        assert again == want
+    finally:
+        llm.shutdown()
+
+
+def test_user_setting_wins(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32, adaptive_threads=False)
+    try:
+        assert llm.engine.info.gomp_spincount == "1000"
+        assert llm.get_stats().forward_threads == 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_dead_engine_fails_the_call_instead_of_hanging(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    os.kill(llm.engine.info.pid, signal.SIGKILL)
+    with pytest.raises(EngineDiedError, match="engine process exited"):
+        llm.generate(prompts(2), SamplingParams(max_tokens=50, **GREEDY), use_tqdm=False)
+    llm.shutdown()
+
+
+def test_env_switch_keeps_the_engine_in_process(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("FORMWORK_ENGINE_PROCESS", "0")
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32)
+    try:
+        assert llm.engine.kv_manager is not None       # the EngineCore itself
+    finally:
+        llm.shutdown()
+    monkeypatch.setenv("FORMWORK_ENGINE_PROCESS", "maybe")
+    with pytest.raises(ValueError, match="FORMWORK_ENGINE_PROCESS"):
+        LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32)
+
+
+def test_a_script_without_main_guard_can_use_llm(tiny_model_dir, tmp_path):
+    """The engine process is spawned without re-running the caller's script (which
+    would start engines recursively), so top-level `LLM()` in a script works."""
+    script = tmp_path / "top_level.py"
+    script.write_text(
+        "from formwork import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_model_dir)!r}, dtype='float32', num_kv_blocks=32)\n"
+        "out = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=4, "
+        "temperature=0, ignore_eos=True), use_tqdm=False)\n"
+        "print('TOKENS', len(out[0].outputs[0].token_ids))\n"
+        "print('RAN', __name__)\n")
+    run = subprocess.run([sys.executable, "-P", str(script)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["TOKENS 4", "RAN __main__"]
