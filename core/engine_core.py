@@ -20,6 +20,7 @@ from formwork.core.prompt_check import check_prompt
 from formwork.core.request import Request, RequestStatus
 from formwork.core.scheduler import Scheduler
 from formwork.schemas.config import EngineConfig
+from formwork.schemas.sampling import check_token_ids
 from formwork.schemas.engine import EngineCoreOutputs, EngineCoreRequest, EngineStats
 
 log = logging.getLogger("formwork.engine")
@@ -80,6 +81,7 @@ class EngineCore:
         """Raises ValueError (naming the parameter) for a request it refuses."""
         self.check_prompt(req.prompt_token_ids)
         req.sampling_params.validate()
+        check_token_ids(req.sampling_params, self.vocab_size)
         self.scheduler.add_request(Request.from_engine_request(req))
 
     def check_prompt(self, ids: list[int]) -> None:

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from formwork.schemas.openai import ErrorInfo, ErrorResponse
+from formwork.schemas.openai import ErrorInfo, ErrorResponse, FieldValueError
 
 log = logging.getLogger("formwork.gateway")
 
@@ -74,6 +74,9 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     errors = exc.errors()
     first = errors[0] if errors else {}
     param = _loc_to_param(tuple(first.get("loc", ())))
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, FieldValueError):         # a whole-body check naming its field
+        return bad_request(str(cause), param=cause.param).to_response()
     if first.get("type") == "json_invalid" or param is None:
         # the body as a whole: not JSON, not an object, sent without a JSON content type
         detail = first.get("ctx", {}).get("error") or first.get("msg", "invalid JSON")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
-from formwork.schemas.sampling import SamplingParams
+from formwork.schemas.sampling import SamplingParams, check_token_ids
 
 PromptType = str | dict[str, Any]
 
@@ -89,6 +89,7 @@ class LLM:
         for (_, ids), p in zip(tokenized, params):
             self.engine.check_prompt(ids)
             p.validate()
+            check_token_ids(p, self.engine.vocab_size)
         order = []
         for (text, ids), p in zip(tokenized, params):
             rid = str(next(self._ids))

@@ -27,7 +27,7 @@ from formwork.gateway.serving import (ServerState, TokenText, blame, generate_fi
 from formwork.schemas.engine import TokenLogprobs
 from formwork.schemas.openai import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                             CompletionResponse, PromptLogprob, UsageInfo, random_id)
-from formwork.schemas.sampling import SamplingParams
+from formwork.schemas.sampling import MAX_N, SamplingParams
 
 
 @dataclass(slots=True)
@@ -73,6 +73,8 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     best_of = req.n if req.best_of is None else req.best_of
     if best_of < req.n:
         raise bad_request(f"best_of: must be >= n ({req.n}), got {best_of}", param="best_of")
+    if best_of > MAX_N:
+        raise bad_request(f"best_of: must be <= {MAX_N}, got {best_of}", param="best_of")
     if best_of > req.n and req.stream:
         raise bad_request("best_of: cannot be used with stream (the best candidates are known "
                           "only at the end); drop best_of or stream", param="best_of")

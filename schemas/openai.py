@@ -12,15 +12,46 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
+class FieldValueError(ValueError):
+    """A whole-body check's finding that names its field (`param`), so the error
+    handler can say which field it was."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def _refuse_lone_surrogates(value: Any, path: str = "") -> None:
+    """JSON's "\\ud800" decodes to a str no tokenizer or encoder takes."""
+    if isinstance(value, str):
+        if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+            raise FieldValueError(path or "body",
+                                  "contains a lone UTF-16 surrogate (not valid Unicode text)")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_lone_surrogates(k, path)
+            _refuse_lone_surrogates(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _refuse_lone_surrogates(v, f"{path}[{i}]")
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # allow_inf_nan=False: NaN / Infinity are not numbers any parameter accepts
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        _refuse_lone_surrogates(data)
+        return data
 
 
 class _Response(BaseModel):

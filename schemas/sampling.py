@@ -1,11 +1,24 @@
 """Per-request sampling parameters (crosses the process boundary)."""
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from formwork.schemas.structured import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+MAX_N = 128                  # completions per request: fan-out stays bounded (OpenAI: 128)
+MAX_SEED = 2**63 - 1         # seeds travel as int64; seed + i for the i-th of n
+MAX_TOKEN_ID = 2**31         # any id past it is no vocabulary's (the engine checks its own)
+
+
+def check_token_ids(params: "SamplingParams", vocab_size: int) -> None:
+    """ValueError naming the parameter for a token id outside the vocabulary
+    (an id reaching a tensor index would fail the whole batch's step)."""
+    bad = next((t for t in params.stop_token_ids or () if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"stop_token_ids: token id {bad} outside the vocabulary [0, {vocab_size})")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -54,8 +67,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         def bad(param: str, msg: str) -> None:
             raise ValueError(f"{param}: {msg}")
 
-        if self.n < 1:
-            bad("n", f"must be >= 1, got {self.n}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, f"must be a finite number, got {getattr(self, name)}")
+        if not 1 <= self.n <= MAX_N:
+            bad("n", f"must be in [1, {MAX_N}], got {self.n}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED - self.n:
+            bad("seed", f"must be in [0, 2^63 - n], got {self.seed}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -81,8 +100,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if self.stop is not None and any((not isinstance(s, str)) or s == "" for s in self.stop):
             bad("stop", "must be non-empty strings")
-        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative token ids")
+        if self.stop_token_ids is not None and \
+                any(not 0 <= t < MAX_TOKEN_ID for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID})")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
 

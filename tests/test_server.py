@@ -390,6 +390,8 @@ def test_streamed_tool_calls_equal_non_streamed(client, model, auto):
 
 def _post(server, body, key=KEY, path="/v1/chat/completions", **kw):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, bytes):
+        headers["Content-Type"] = "application/json"
     return httpx.post(f"{server.url}{path}", headers=headers, timeout=60, **kw,
                       **({"content": body} if isinstance(body, bytes) else {"json": body}))
 
@@ -416,6 +418,19 @@ ERROR_CASES = [  # (body, status, param, code, words that must appear in the mes
     (_chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
      400, "tool_choice", None, ["nope"]),
     (_chat(model="gpt-4o"), 404, "model", "model_not_found", ["gpt-4o"]),
+    # values that reached a tensor or an int64 unchecked (issue 13: 500s or a whole batch failed)
+    (_chat(stop_token_ids=[1000000], min_tokens=2), 400, "stop_token_ids", "engine_request_error",
+     ["1000000"]),
+    (_chat(stop_token_ids=[2**70]), 400, "stop_token_ids", None, ["token ids"]),
+    (_chat(seed=2**63), 400, "seed", None, ["2^63"]),
+    (_chat(seed=2**63 - 2, n=4), 400, "seed", None, ["2^63"]),
+    (_chat(n=1000), 400, "n", None, ["128"]),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": NaN}',
+     400, "temperature", None, ["finite"]),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, '
+     b'"repetition_penalty": Infinity}', 400, "repetition_penalty", None, ["finite"]),
+    (b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 4}', 400,
+     "messages[0].content", None, ["surrogate"]),
 ]
 
 
@@ -424,8 +439,8 @@ def test_error_responses(server, body, status, param, code, words):
     r = _post(server, body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert err["type"] == "invalid_request_error" and err["param"] == param
-    assert err["code"] == code
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert err["code"] == code, err
     for w in words:
         assert w.lower() in err["message"].lower(), err["message"]
 
