@@ -50,6 +50,18 @@ def _die_with_parent() -> None:
             pass
 
 
+def handshake_result(outs: EngineCoreOutputs) -> dict | None:
+    """The engine info when `outs` is the ready handshake; None for any other
+    message (a late output of an engine that died: nobody waits for it);
+    RuntimeError when the engine says it could not start."""
+    if outs.utility_call_id != READY_CALL_ID:
+        return None
+    result = outs.utility_result or {}
+    if "error" in result:
+        raise RuntimeError(f"engine failed to start: {result['error']}")
+    return result
+
+
 def cuda_graphs_text(sizes) -> str:
     """How start-up logs say whether decode steps replay CUDA graphs."""
     return f"on (decode batch sizes {min(sizes)}-{max(sizes)})" if sizes else "off"

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import time
 from importlib import metadata
 from typing import Any
@@ -33,6 +34,7 @@ from formwork.schemas.openai import (ChatCompletionRequest, CompletionRequest, D
                             ModelList)
 
 log = logging.getLogger("formwork.gateway")
+FATAL_EXIT_CODE = 3
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 KEYED_PATHS = ("/tokenize", "/detokenize")      # outside /v1, still behind the API key
 
@@ -103,10 +105,14 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request):
-        state = _state(request)
-        if not await state.engine.is_healthy():
-            raise EngineDeadError("The engine does not answer.")
-        return Response(status_code=200)
+        """200 {"status": "ready"} while the engine answers; 503 with the state
+        ("restarting", "failed", or "unresponsive") and Retry-After otherwise."""
+        engine = _state(request).engine
+        if engine.state == "ready" and await engine.is_healthy():
+            return JSONResponse({"status": "ready", "engine_restarts": engine.restarts})
+        status = engine.state if engine.state != "ready" else "unresponsive"
+        return JSONResponse({"status": status, "engine_restarts": engine.restarts},
+                            status_code=503, headers={"Retry-After": "5"})
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -121,6 +127,14 @@ def _add_routes(app: FastAPI) -> None:
         return {"version": version()}
 
 
+def _exit_for_supervisor() -> None:
+    """The engine could not be restarted: exit non-zero at once (an outside
+    supervisor -- systemd, Kubernetes -- starts the server again)."""
+    log.critical("the engine cannot be restarted; the server exits (code %d)", FATAL_EXIT_CODE)
+    logging.shutdown()
+    os._exit(FATAL_EXIT_CODE)
+
+
 def build_app(config: EngineConfig, *, served_model_names: list[str] | None = None,
               api_key: str | None = None) -> FastAPI:
     names = tuple(served_model_names or [config.model or DEFAULT_MODEL_NAME])
@@ -129,7 +143,7 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
     async def lifespan(app: FastAPI):
         from formwork.core.tokenizer import load_tokenizer
         t0 = time.monotonic()
-        engine = EngineClient(config)
+        engine = EngineClient(config, on_fatal=_exit_for_supervisor)
         # the engine process loads the model while this one loads the tokenizer
         starting = asyncio.create_task(engine.start())
         try:

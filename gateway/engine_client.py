@@ -23,7 +23,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from formwork.core.engine_proc import READY_CALL_ID, start_engine_process
+from formwork.core.engine_proc import READY_CALL_ID, handshake_result, start_engine_process
 from formwork.gateway.errors import PARAM_PREFIX, APIError, EngineDeadError
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
@@ -44,8 +44,14 @@ class EngineRequestError(APIError):
 
 
 class EngineClient:
+    """`state`: "starting" until the first handshake, "ready", "restarting" while a
+    dead engine is replaced (bounded backoff), "failed" after `max_restarts`
+    consecutive failed restarts (then `on_fatal` is called: the server exits
+    non-zero so an outside supervisor takes over)."""
+
     def __init__(self, config: EngineConfig, tokenizer=None, *,
-                 ready_timeout_s: float = 900.0) -> None:
+                 ready_timeout_s: float = 900.0, max_restarts: int = 5,
+                 restart_backoff_s: float = 1.0, on_fatal=None) -> None:
         """`tokenizer` may be given later (set_tokenizer) so that it loads while the
         engine starts; it must be set before the first generate()."""
         self.config = config
@@ -55,6 +61,14 @@ class EngineClient:
         if tokenizer is not None:
             self.set_tokenizer(tokenizer)
         self.info: dict = {}
+        self.state = "starting"
+        self.restarts = 0                      # engines started after the first
+        self.max_restarts = max_restarts
+        self.restart_backoff_s = restart_backoff_s
+        self.on_fatal = on_fatal
+        self._failed_restarts = 0
+        self._restart_task: asyncio.Task | None = None
+        self._in_addr = self._out_addr = ""
         self.dead = False
         self._closing = False
         self._queues: dict[str, asyncio.Queue] = {}
@@ -76,26 +90,64 @@ class EngineClient:
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> dict:
         """Spawn the engine, wait for its ready handshake, return its model info."""
-        in_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
-        out_addr = f"ipc://{os.path.join(self._tmpdir, 'output')}"
-        self._in.bind(in_addr)
-        self._out.bind(out_addr)
-        self._proc = start_engine_process(self.config, in_addr, out_addr)
+        self._in_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
+        self._out_addr = f"ipc://{os.path.join(self._tmpdir, 'output')}"
+        self._in.bind(self._in_addr)
+        self._out.bind(self._out_addr)
+        await self._launch()
+        return self.info
+
+    async def _launch(self) -> None:
+        """Start an engine process and wait for its handshake; then serve."""
+        self._proc = start_engine_process(self.config, self._in_addr, self._out_addr)
         self.info = await self._wait_ready()
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_engine_exit)
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
-        return self.info
+        self.dead = False
+        self.state = "ready"
+
+    async def _restart(self) -> None:
+        """Replace a dead engine: bounded exponential backoff; requests get 503
+        with Retry-After meanwhile. After max_restarts consecutive failures,
+        on_fatal()."""
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+            self._reader = None
+        while not self._closing:
+            if self._failed_restarts >= self.max_restarts:
+                self.state = "failed"
+                log.error("engine failed %d restarts in a row; giving up", self._failed_restarts)
+                if self.on_fatal is not None:
+                    self.on_fatal()
+                return
+            delay = min(30.0, self.restart_backoff_s * 2 ** self._failed_restarts)
+            log.warning("restarting the engine in %.1f s (restart %d)", delay, self.restarts + 1)
+            await asyncio.sleep(delay)
+            if self._closing:
+                return
+            self.restarts += 1
+            try:
+                await self._launch()
+            except Exception as e:  # noqa: BLE001 - counted and retried; fatal after the limit
+                self._failed_restarts += 1
+                log.error("engine restart failed: %s", e)
+                if self._proc is not None and self._proc.is_alive():
+                    self._proc.kill()
+                continue
+            self._failed_restarts = 0
+            log.info("engine restarted (pid %s)", self._proc.pid)
+            return
 
     async def _wait_ready(self) -> dict:
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if await self._out.poll(500):
-                outs = self._decoder.decode(await self._out.recv())
-                result = outs.utility_result or {}
-                if outs.utility_call_id == READY_CALL_ID and "error" not in result:
-                    return result
-                raise RuntimeError(f"engine failed to start: {result.get('error', outs)}")
+                info = handshake_result(self._decoder.decode(await self._out.recv()))
+                if info is not None:
+                    return info
             if not self._proc.is_alive():
                 raise RuntimeError(f"engine process exited during start-up "
                                    f"(exit code {self._proc.exitcode})")
@@ -104,8 +156,12 @@ class EngineClient:
     def _on_engine_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._proc.sentinel)
         if not self.dead and not self._closing:
-            log.error("engine process exited (code %s); requests now get 503", self._proc.exitcode)
+            log.error("engine process exited (code %s); in-flight requests get 503, "
+                      "restarting it", self._proc.exitcode)
         self._fail_all()
+        if not self._closing and (self._restart_task is None or self._restart_task.done()):
+            self.state = "restarting"
+            self._restart_task = asyncio.create_task(self._restart(), name="engine-restart")
 
     def _fail_all(self) -> None:
         self.dead = True
@@ -119,6 +175,8 @@ class EngineClient:
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the engine to stop, then terminate / kill it if it lingers."""
         self._closing = True
+        if self._restart_task is not None and not self._restart_task.done():
+            self._restart_task.cancel()
         proc = self._proc
         if proc is not None and proc.is_alive():
             with contextlib.suppress(Exception):

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import msgspec
 import zmq
 
-from formwork.core.engine_proc import READY_CALL_ID, start_engine_process
+from formwork.core.engine_proc import READY_CALL_ID, handshake_result, start_engine_process
 from formwork.core.prompt_check import check_prompt
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
@@ -71,11 +71,9 @@ class EngineProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._out.poll(POLL_MS):
-                outs = self._decoder.decode(self._out.recv())
-                result = outs.utility_result or {}
-                if outs.utility_call_id == READY_CALL_ID and "error" not in result:
-                    return result
-                raise RuntimeError(f"engine failed to start: {result.get('error', outs)}")
+                info = handshake_result(self._decoder.decode(self._out.recv()))
+                if info is not None:
+                    return info
             if not self._proc.is_alive():
                 raise RuntimeError(f"engine process exited during start-up "
                                    f"(exit code {self._proc.exitcode})")

@@ -23,6 +23,8 @@ PARAM_PREFIX = re.compile(r"^([A-Za-z_][\w\.\[\]]*): ")
 
 
 class APIError(Exception):
+    retry_after_s: int | None = None
+
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -36,12 +38,18 @@ class APIError(Exception):
         body = ErrorResponse(error=ErrorInfo(
             message=self.message, type=self.type, param=self.param, code=self.code))
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        if self.retry_after_s is not None:
+            headers = {"Retry-After": str(self.retry_after_s)}
         return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
 
 
 class EngineDeadError(APIError):
-    def __init__(self, message: str = "The engine is not running; retry later.") -> None:
+    """503 with Retry-After: the engine is down (being restarted, or gone)."""
+
+    def __init__(self, message: str = "The engine is not running; retry later.",
+                 retry_after_s: int = 5) -> None:
         super().__init__(503, message, type="service_unavailable_error", code="engine_unavailable")
+        self.retry_after_s = retry_after_s
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
