@@ -37,6 +37,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-compile-threads", type=int, default=d.grammar_compile_threads)
     g.add_argument("--no-jump-forward", action="store_true")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"),
+                   default="raw_logprobs",
+                   help="returned logprobs: the model's own (vLLM's default), or after the "
+                        "grammar mask and penalties")
     g.add_argument("--no-adaptive-threads", action="store_true",
                    help="CPU: keep --num-threads fixed instead of sizing the forward's thread "
                         "team to the cores other processes leave free")
@@ -60,7 +64,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         structured_backend=args.structured_outputs_backend,
         grammar_compile_threads=args.grammar_compile_threads,
         enable_jump_forward=not args.no_jump_forward, num_threads=args.num_threads,
-        adaptive_threads=not args.no_adaptive_threads,
+        adaptive_threads=not args.no_adaptive_threads, logprobs_mode=args.logprobs_mode,
         seed=args.seed, enforce_eager=args.enforce_eager)
 
 

@@ -141,7 +141,7 @@ class Executor:
             log.info("decode graphs: off (device %s, attention %s, enforce_eager %s)",
                      self.device.type, backend_name, config.enforce_eager)
         self.runner = ModelRunner(model, kv, block_size=config.block_size, device=self.device,
-                                  graphs=graphs)
+                                  graphs=graphs, logprobs_mode=config.logprobs_mode)
         self.info = ExecutorInfo(num_blocks, max_len, mcfg.vocab_size, str(self.device),
                                  str(dtype).removeprefix("torch."),
                                  backend_name, time.perf_counter() - t0,

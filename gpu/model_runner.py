@@ -52,14 +52,14 @@ def _token_seed(seed: int, output_index: int) -> int:
 
 class ModelRunner:
     def __init__(self, model, kv_caches, *, block_size: int, device: torch.device,
-                 graphs: DecodeGraphRunner | None = None):
+                 graphs: DecodeGraphRunner | None = None, logprobs_mode: str = "raw_logprobs"):
         self.model = model
         self.graphs = graphs            # captured decode graphs; None -> every step eager
         self.step_paths: collections.Counter[str] = collections.Counter()  # "graph" / "eager" forwards
         self.kv_caches = kv_caches      # list per layer of (k_cache, v_cache)
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self.requests: dict[str, _ReqState] = {}
         self._plp_prompts: dict[str, list[int]] = {}   # prompts still to score (prompt_logprobs)
         self._plp_step: tuple[SchedulerOutput, dict] | None = None

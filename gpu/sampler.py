@@ -1,8 +1,12 @@
 """logits -> grammar bitmask -> penalties -> logprobs -> temperature / min-p /
 top-k / top-p -> token ids.
 
-Order matters: the grammar mask is applied first, so that neither logprobs nor
-any sampling step can ever see (or pick) a token the grammar forbids.
+Order matters: the grammar mask is applied first, so that no sampling step can
+ever pick a token the grammar forbids. Returned logprobs follow vLLM's
+`logprobs_mode`: "raw_logprobs" (default) are the model's own distribution,
+before the mask, penalties and temperature; "processed_logprobs" are taken
+after the mask and penalties, and top entries a mask or ban ruled out (-inf)
+are left out. Either way every number returned is finite (JSON has no -inf).
 Per-request seeds are reproducible regardless of batch composition: a seeded
 row draws its noise from its own torch.Generator, one draw per sampled token.
 `score_prompt` computes prompt logprobs (vLLM's prompt_logprobs) on raw logits.
@@ -111,25 +115,37 @@ def _random_sample(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor
     return probs.div(q).argmax(-1)
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+_FLOOR = torch.finfo(torch.float32).min      # a chosen token's logprob is never -inf in JSON
+
+
 def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, batch: SamplingBatch):
     logp = logits.log_softmax(-1)
     top_vals, top_idx = logp.topk(max(batch.max_num_logprobs, 1), dim=-1)
-    chosen_lp = logp.gather(1, chosen[:, None])[:, 0].tolist()
+    chosen_lp = logp.gather(1, chosen[:, None])[:, 0].clamp_min(_FLOOR).tolist()
     top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
     out = []
     for i, n in enumerate(batch.num_logprobs):
         if n is None:
             out.append(None)
         else:
-            out.append((chosen_lp[i], list(zip(top_idx[i][:n], top_vals[i][:n]))))
+            top = [(t, v) for t, v in zip(top_idx[i][:n], top_vals[i][:n]) if v != float("-inf")]
+            out.append((chosen_lp[i], top))
     return out
 
 
 class Sampler:
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
                  bitmask: torch.Tensor | None = None,
                  bitmask_rows: torch.Tensor | None = None) -> SamplerOutput:
         """logits: [B, V] float32 (mutated). bitmask: [M, ceil(V/32)] int32 for rows bitmask_rows."""
+        raw = (logits.clone() if batch.max_num_logprobs is not None
+               and self.logprobs_mode == "raw_logprobs" else None)
         if bitmask is not None and bitmask.shape[0] > 0:
             apply_bitmask(logits, bitmask, bitmask_rows)
         if batch.banned:
@@ -145,7 +161,8 @@ class Sampler:
             scaled = _top_k_top_p_min_p(logits / temp[:, None], batch)
             sampled = _random_sample(scaled.softmax(-1), batch.seeds)
             chosen = torch.where(batch.temperature > 0, sampled, greedy)
-        logprobs = _logprobs(logits, chosen, batch) if batch.max_num_logprobs is not None else None
+        logprobs = (_logprobs(raw if raw is not None else logits, chosen, batch)
+                    if batch.max_num_logprobs is not None else None)
         return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs)
 
 

@@ -33,6 +33,9 @@ class EngineConfig:
     enable_jump_forward: bool = True
     num_threads: int | None = None       # torch intra-op threads; None -> torch default
     adaptive_threads: bool = True        # CPU: fewer threads while other processes take cores
+    # returned logprobs (vLLM's logprobs_mode): the model's own ("raw_logprobs"), or
+    # after grammar mask and penalties ("processed_logprobs", ruled-out entries left out)
+    logprobs_mode: str = "raw_logprobs"
     seed: int = 0
     enforce_eager: bool = False          # CUDA: skip CUDA-graph capture
 
@@ -43,6 +46,9 @@ class EngineConfig:
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError("logprobs_mode: must be raw_logprobs or processed_logprobs, "
+                             f"got {self.logprobs_mode!r}")
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size: must be 8, 16, 32 or 64, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -1,5 +1,7 @@
 """Sampler against plain references: masks before everything, penalties,
 top-k / top-p / min-p, per-request seeds independent of the batch, logprobs."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -28,22 +30,45 @@ def pack(allowed_rows, vocab):
 
 
 def test_mask_applied_before_greedy_and_logprobs():
+    """processed_logprobs: after the mask, and the ruled-out entries (-inf) left
+    out -- row 0 allows 3 tokens, so 3 top entries of the 5 asked, all finite."""
     torch.manual_seed(0)
     logits = torch.randn(3, V)
-    allowed = [[3, 7, 40], [0, 31, 32, 49]]
+    allowed = [[3, 7, 40], [0, 31, 32, 45, 47, 49]]
     mask = pack(allowed, V)
     rows = torch.tensor([0, 2])
     b = batch_for(3, max_num_logprobs=5, num_logprobs=[5, None, 5])
     ref = logits.clone()
-    out = Sampler()(logits, b, mask, rows)
+    out = Sampler("processed_logprobs")(logits, b, mask, rows)
     for r, a in zip([0, 2], allowed):
         want = max(a, key=lambda t: ref[r, t].item())
         assert out.token_ids[r] == want
-        top_ids = [t for t, _ in out.logprobs[r][1]]
-        assert set(top_ids[:len(a)]) == set(a)           # only allowed tokens have finite logprob
+        top = out.logprobs[r][1]
+        assert len(top) == min(5, len(a)) and {t for t, _ in top} <= set(a)
+        assert all(math.isfinite(v) for _, v in top)
         lp = torch.log_softmax(ref[r, a], -1)
         assert out.logprobs[r][0] == pytest.approx(lp[a.index(want)].item(), abs=1e-5)
     assert out.token_ids[1] == int(ref[1].argmax())       # unmasked row untouched
+
+
+def test_raw_logprobs_are_the_models_own_and_the_mask_still_rules():
+    """raw_logprobs (the default, as vLLM): the model's distribution before the mask,
+    so constrained requests get finite, unmasked numbers; the pick still obeys the mask."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, V)
+    allowed = [[3, 7, 40]]
+    ref = logits.clone()
+    b = batch_for(2, max_num_logprobs=4, num_logprobs=[4, 4])
+    out = Sampler()(logits, b, pack(allowed, V), torch.tensor([0]))
+    want = max(allowed[0], key=lambda t: ref[0, t].item())
+    assert out.token_ids[0] == want
+    full = torch.log_softmax(ref, -1)
+    assert out.logprobs[0][0] == pytest.approx(full[0, want].item(), abs=1e-5)
+    top_vals, top_idx = full[0].topk(4)
+    assert [t for t, _ in out.logprobs[0][1]] == top_idx.tolist()
+    assert all(math.isfinite(v) for _, v in out.logprobs[0][1])
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        Sampler("raw_logits")
 
 
 def test_seeded_rows_do_not_depend_on_batch():

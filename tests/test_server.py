@@ -194,6 +194,36 @@ def test_logprobs_and_n(client, model):
     assert "".join(lp.token for lp in lps) == r.choices[0].message.content
 
 
+def _strict_json(text: str):
+    """json.loads that refuses NaN/Infinity, as every JSON parser but Python's does."""
+    def no_constant(name):
+        raise ValueError(f"non-finite number {name} in JSON")
+    return json.loads(text, parse_constant=no_constant)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_constrained_logprobs_are_finite_json(server, stream):
+    """Logprobs of a constrained request are the model's own (vLLM's raw_logprobs):
+    finite, so the body is JSON; they used to hold -inf for masked tokens (a 400
+    after generating, or `-Infinity` in the stream)."""
+    body = _chat(max_tokens=8, temperature=0, logprobs=True, top_logprobs=5, stream=stream,
+                 structured_outputs={"choice": ["yes", "no"]})
+    r = _post(server, body)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [_strict_json(x[6:]) for x in r.text.splitlines()
+                  if x.startswith("data: ") and x != "data: [DONE]"]
+        entries = [e for c in chunks for ch in c["choices"]
+                   for e in ((ch.get("logprobs") or {}).get("content") or [])]
+        text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+    else:
+        choice = _strict_json(r.text)["choices"][0]
+        entries, text = choice["logprobs"]["content"], choice["message"]["content"]
+    assert text in ("yes", "no") and entries
+    for e in entries:
+        assert len(e["top_logprobs"]) == 5 and all(t["logprob"] <= 0 for t in e["top_logprobs"])
+
+
 def test_completions_endpoint(client, model):
     r = client.completions.create(model=model, prompt=["The capital of France is", "1, 2, 3,"],
                                   temperature=0, max_tokens=6, logprobs=2)
