@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from formwork.core.engine_proc import cuda_graphs_text
 from formwork.gateway.engine_client import EngineClient
 from formwork.gateway.errors import APIError, EngineDeadError, install_error_handlers
+from formwork.gateway.limits import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware, longest_token_chars
 from formwork.gateway.metrics import CONTENT_TYPE, Metrics
 from formwork.gateway.serving import ServerState
 from formwork.gateway.serving_chat import create_chat_completion
@@ -136,7 +137,8 @@ def _exit_for_supervisor() -> None:
 
 
 def build_app(config: EngineConfig, *, served_model_names: list[str] | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None,
+              max_request_body_mb: float = DEFAULT_MAX_BODY_MB) -> FastAPI:
     names = tuple(served_model_names or [config.model or DEFAULT_MODEL_NAME])
 
     @contextlib.asynccontextmanager
@@ -148,6 +150,7 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
         starting = asyncio.create_task(engine.start())
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+            max_token_chars = await asyncio.to_thread(longest_token_chars, tokenizer)
             engine.set_tokenizer(tokenizer)
             info = await starting
         except BaseException:
@@ -165,7 +168,8 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
         app.state.server = ServerState(engine=engine, tokenizer=tokenizer,
                                        served_model_names=names,
                                        max_model_len=info["max_model_len"],
-                                       metrics=Metrics(names[0]), api_key=api_key)
+                                       metrics=Metrics(names[0]), api_key=api_key,
+                                       max_token_chars=max_token_chars)
         try:
             yield
         finally:
@@ -177,13 +181,15 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
     _add_routes(app)
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=int(max_request_body_mb * 2**20))
     return app
 
 
 def run_server(config: EngineConfig, *, host: str, port: int,
                served_model_names: list[str] | None = None, api_key: str | None = None,
-               log_level: str = "info") -> None:
+               log_level: str = "info", max_request_body_mb: float = DEFAULT_MAX_BODY_MB) -> None:
     import uvicorn
 
-    app = build_app(config, served_model_names=served_model_names, api_key=api_key)
+    app = build_app(config, served_model_names=served_model_names, api_key=api_key,
+                    max_request_body_mb=max_request_body_mb)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

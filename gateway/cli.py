@@ -76,6 +76,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("FORMWORK_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
                         "(env FORMWORK_API_KEY)")
+    p.add_argument("--max-request-body-mb", type=float, default=8.0,
+                   help="larger request bodies get 413 before they are read")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API answers to (default: the model name)")
     p.add_argument("--log-level", default="info",
@@ -94,7 +96,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"formwork serve: {e}", file=sys.stderr)
         return 2
     run_server(config, host=args.host, port=args.port, served_model_names=args.served_model_name,
-               api_key=args.api_key, log_level=args.log_level)
+               api_key=args.api_key, log_level=args.log_level,
+               max_request_body_mb=args.max_request_body_mb)
     return 0
 
 

@@ -27,6 +27,7 @@ class ServerState:
     max_model_len: int
     metrics: Metrics
     api_key: str | None = None
+    max_token_chars: int = 1 << 30      # the tokenizer's longest token (gateway/limits.py)
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from formwork.gateway.chat import build_chat_prompt
 from formwork.gateway.errors import APIError
+from formwork.gateway.limits import check_text_fits
 from formwork.gateway.metrics import RequestTimer
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens,
@@ -39,6 +40,14 @@ class PreparedChat:
     source: str | None       # request field of the output constraint, if any
 
 
+def _texts(content) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
+
+
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
     """All validation before anything is queued. The constraint check runs in a worker
     thread (it may compile); the tokenizer is only used on the event loop's thread
@@ -49,6 +58,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     if structured is not None:
         await asyncio.to_thread(validate_constraint, structured, source,
                                 state.engine.config.structured_backend)
+    check_text_fits((t for m in req.messages for t in _texts(m.content)), state.max_model_len,
+                    state.max_token_chars, "messages")
     prompt, ids = build_chat_prompt(state.tokenizer, req.messages, mode, req.chat_template_kwargs)
     requested, max_param = chat_max_tokens(req)
     max_tokens = context_max_tokens(len(ids), requested, state.max_model_len, "messages")

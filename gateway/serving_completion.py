@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from formwork.gateway.errors import APIError, bad_request
+from formwork.gateway.limits import check_text_fits
 from formwork.gateway.metrics import RequestTimer
 from formwork.gateway.output_processor import CompletionOutput, PromptLogprobsList, RequestOutput
 from formwork.gateway.params import (context_max_tokens, explicit_prompt_logprobs, sampling_params,
@@ -53,6 +54,7 @@ def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
     out = []
     for p in prompt:
         if isinstance(p, str):
+            check_text_fits([p], state.max_model_len, state.max_token_chars, "prompt")
             ids = state.tokenizer(p, add_special_tokens=False).input_ids
             out.append((p, list(ids)))
         else:

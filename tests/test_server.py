@@ -464,6 +464,41 @@ ERROR_CASES = [  # (body, status, param, code, words that must appear in the mes
 ]
 
 
+def test_oversized_requests_are_refused_fast_while_a_stream_flows(server):
+    """A 20 MB body -> 413 before it is parsed; a 4 MB message (under the body
+    limit) -> 400 context_length_exceeded without tokenizing it; a stream running
+    meanwhile keeps flowing (the event loop was blocked ~30 s before)."""
+    import threading
+
+    gaps: list[float] = []
+
+    def stream():
+        body = _chat(max_tokens=60, ignore_eos=True, stream=True, temperature=0)
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as r:
+            last = time.monotonic()
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+    t = threading.Thread(target=stream)
+    t.start()
+    huge = json.dumps(_chat(messages=[{"role": "user", "content": "x" * (20 << 20)}])).encode()
+    t0 = time.monotonic()
+    r = _post(server, huge)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    big = _post(server, _chat(messages=[{"role": "user", "content": "word " * (800 << 10)}]))
+    elapsed = time.monotonic() - t0
+    assert big.status_code == 400, big.text
+    assert big.json()["error"]["code"] == "context_length_exceeded"
+    assert big.json()["error"]["param"] == "messages"
+    t.join(120)
+    assert len(gaps) > 10 and elapsed < 15, (elapsed, max(gaps))
+    assert max(gaps[1:]) < 5.0, max(gaps[1:])
+
+
 @pytest.mark.parametrize("body,status,param,code,words", ERROR_CASES)
 def test_error_responses(server, body, status, param, code, words):
     r = _post(server, body)
