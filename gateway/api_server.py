@@ -65,7 +65,9 @@ class AuthMiddleware:
                 err = APIError(401, "You didn't provide an API key. Send it in the Authorization "
                                "header: 'Authorization: Bearer YOUR_KEY'.", code="invalid_api_key")
                 return await err.to_response()(scope, receive, send)
-            if not hmac.compare_digest(auth, b"Bearer " + self.api_key):
+            scheme, _, token = auth.partition(b" ")
+            # RFC 7235: the auth scheme is case-insensitive ("bearer" too)
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
                 err = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 return await err.to_response()(scope, receive, send)
         await self.app(scope, receive, send)

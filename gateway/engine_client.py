@@ -15,7 +15,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import tempfile
 import time
 from typing import AsyncIterator
 
@@ -23,7 +22,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from formwork.core.engine_proc import READY_CALL_ID, handshake_result, start_engine_process
+from formwork.core.engine_proc import (READY_CALL_ID, handshake_result, make_ipc_dir,
+                                       start_engine_process)
 from formwork.gateway.errors import PARAM_PREFIX, APIError, EngineDeadError
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
@@ -76,7 +76,7 @@ class EngineClient:
         self._call_ids = itertools.count(READY_CALL_ID + 1)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        self._tmpdir = tempfile.mkdtemp(prefix="formwork-")
+        self._tmpdir = make_ipc_dir()
         self._ctx = zmq.asyncio.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._out = self._ctx.socket(zmq.PULL)

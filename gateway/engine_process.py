@@ -16,14 +16,14 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import tempfile
 import time
 from types import SimpleNamespace
 
 import msgspec
 import zmq
 
-from formwork.core.engine_proc import READY_CALL_ID, handshake_result, start_engine_process
+from formwork.core.engine_proc import (READY_CALL_ID, handshake_result, make_ipc_dir,
+                                       start_engine_process)
 from formwork.core.prompt_check import check_prompt
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
@@ -41,7 +41,7 @@ class EngineProcess:
         from formwork.core.tokenizer import load_tokenizer
 
         self.config = config
-        self._tmpdir = tempfile.mkdtemp(prefix="formwork-llm-")
+        self._tmpdir = make_ipc_dir()
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._out = self._ctx.socket(zmq.PULL)

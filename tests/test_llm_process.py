@@ -91,3 +91,20 @@ def test_a_script_without_main_guard_can_use_llm(tiny_model_dir, tmp_path):
                          timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == ["TOKENS 4", "RAN __main__"]
+
+
+def test_stale_ipc_dirs_of_dead_processes_are_removed(tmp_path):
+    """A SIGKILLed server leaves its ipc folder behind; the next start removes
+    folders whose process is gone, never a live process's or another name."""
+    from formwork.core.engine_proc import IPC_PREFIX, remove_stale_ipc_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{IPC_PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{IPC_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "formwork-something-else"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "input").write_text("")
+    assert remove_stale_ipc_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()

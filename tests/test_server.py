@@ -516,6 +516,10 @@ def test_api_key_and_openai_client_errors(server, client, model):
         assert r.status_code == 401 and words in r.json()["error"]["message"].lower()
         assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server.url}/health").status_code == 200   # not behind the key
+    url = f"{server.url}/v1/models"
+    assert httpx.get(url, headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    assert httpx.get(url, headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+    assert httpx.get(url, headers={"Authorization": f"Bearer {KEY}x"}).status_code == 401
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=ASK, temperature=5.0, top_p=0)
     assert e.value.status_code == 400 and e.value.body["param"] in ("top_p", "temperature")
