@@ -11,13 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from formwork.gateway.errors import APIError
 
 DEFAULT_MAX_BODY_MB = 8.0
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(StarletteHTTPException):
+    """Raised from `receive` inside the app: an HTTPException, so FastAPI's body
+    reader passes it on (other errors there become a generic 400)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, _too_large(max_bytes).message)
 
 
 def _too_large(max_bytes: int) -> APIError:
@@ -47,7 +53,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge()
+                    raise _TooLarge(self.max_bytes)
             return message
 
         try:

@@ -489,6 +489,13 @@ def test_oversized_requests_are_refused_fast_while_a_stream_flows(server):
     t0 = time.monotonic()
     r = _post(server, huge)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    def chunks():                                   # no Content-Length: counted as it arrives
+        yield huge[: 1 << 20]
+        for i in range(1 << 20, len(huge), 1 << 20):
+            yield huge[i:i + (1 << 20)]
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=chunks(), timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
     big = _post(server, _chat(messages=[{"role": "user", "content": "word " * (800 << 10)}]))
     elapsed = time.monotonic() - t0
     assert big.status_code == 400, big.text
