@@ -22,8 +22,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from formwork.core.engine_proc import (READY_CALL_ID, handshake_result, make_ipc_dir,
-                                       start_engine_process)
+from formwork.core.engine_proc import READY_CALL_ID, handshake_result, start_engine_process
+from formwork.core.ipc import make_ipc_dir
 from formwork.gateway.errors import PARAM_PREFIX, APIError, EngineDeadError
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig

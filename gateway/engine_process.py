@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import msgspec
 import zmq
 
-from formwork.core.engine_proc import (READY_CALL_ID, handshake_result, make_ipc_dir,
-                                       start_engine_process)
+from formwork.core.engine_proc import READY_CALL_ID, handshake_result, start_engine_process
+from formwork.core.ipc import make_ipc_dir
 from formwork.core.prompt_check import check_prompt
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,

@@ -96,7 +96,7 @@ def test_a_script_without_main_guard_can_use_llm(tiny_model_dir, tmp_path):
 def test_stale_ipc_dirs_of_dead_processes_are_removed(tmp_path):
     """A SIGKILLed server leaves its ipc folder behind; the next start removes
     folders whose process is gone, never a live process's or another name."""
-    from formwork.core.engine_proc import IPC_PREFIX, remove_stale_ipc_dirs
+    from formwork.core.ipc import IPC_PREFIX, remove_stale_ipc_dirs
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
