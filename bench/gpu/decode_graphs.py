@@ -26,7 +26,9 @@ def run_mode(args, eager: bool, workloads: dict[int, list[list[int]]]) -> dict:
     max_bs = max(workloads)
     per_seq = -(-(args.prompt_len + args.output_len) // args.block_size) + 1
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=eager,
+    # in-process: the benchmark reads the runner's graph/eager step counts
+    llm = LLM(args.model, engine_process=False, dtype=args.dtype, device=args.device,
+              enforce_eager=eager,
               max_num_seqs=max_bs, block_size=args.block_size, num_kv_blocks=max_bs * per_seq + 16,
               max_num_batched_tokens=max(2048, args.prompt_len))
     res = {"start_s": time.perf_counter() - t0, "graph_sizes": list(llm.engine.info.cuda_graph_sizes),
