@@ -204,6 +204,7 @@ def _main_module_not_reimported() -> Iterator[None]:
         main.__dict__.pop("__spec__", None)
         main.__dict__.update(saved)
 
+
 def _stop_at_exit(ref: "weakref.ref[multiprocessing.process.BaseProcess]") -> None:
     proc = ref()
     if proc is not None and proc.is_alive():

@@ -1,5 +1,7 @@
-"""The one prompt check, shared by the in-process engine, the engine-process
-client and the gateway: what an engine of this context and vocabulary serves."""
+"""The engine's prompt check, shared by the in-process EngineCore and the
+engine-process client (`LLM`): what an engine of this context and vocabulary
+serves. The HTTP gateway still checks token-id prompts on its own
+(serving_completion._prompts, against the tokenizer's length)."""
 from __future__ import annotations
 
 
