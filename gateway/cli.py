@@ -48,6 +48,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs: every step runs eagerly (default: decode "
                         "steps replay CUDA graphs on CUDA with the Triton attention backend)")
+    g.add_argument("--no-packed-linears", action="store_true",
+                   help="CPU bf16: call the plain linear instead of oneDNN weights packed at load")
+    g.add_argument("--no-fused-elementwise", action="store_true",
+                   help="CPU bf16: run norms, rotary and silu as separate torch ops, not fused C++ ones")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -65,7 +69,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         grammar_compile_threads=args.grammar_compile_threads,
         enable_jump_forward=not args.no_jump_forward, num_threads=args.num_threads,
         adaptive_threads=not args.no_adaptive_threads, logprobs_mode=args.logprobs_mode,
-        seed=args.seed, enforce_eager=args.enforce_eager)
+        seed=args.seed, enforce_eager=args.enforce_eager,
+        packed_linears=not args.no_packed_linears,
+        fused_elementwise=not args.no_fused_elementwise)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from formwork.gpu.attention import allocate_kv_cache, get_attention_backend, kv_cache_bytes_per_block
+from formwork.gpu.cpu_linear import pack_linears, packing_supported
 from formwork.gpu.cpu_threads import ThreadGovernor
 from formwork.gpu.cuda_graph import DecodeGraphRunner, GraphFactory, capture_sizes, pick_graph_factory
 from formwork.gpu.loader import load_model
-from formwork.gpu.model import ModelConfig
+from formwork.gpu.model import CPU_FUSED_OPS, ModelConfig
 from formwork.gpu.model_runner import ModelRunner
+from formwork.kernels import cpu_fused_ops
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.scheduler import ModelRunnerOutput, SchedulerOutput
 
@@ -126,6 +128,11 @@ class Executor:
         backend = get_attention_backend(backend_name, self.device)
         model = load_model(model_dir, dtype=dtype, device=self.device)
         model.attn_backend = backend
+        if config.packed_linears and packing_supported(dtype, self.device):
+            log.info("packed oneDNN linears: %d", pack_linears(model))
+        if config.fused_elementwise and self.device.type == "cpu" and dtype == torch.bfloat16 \
+                and cpu_fused_ops.available():
+            model.ops = CPU_FUSED_OPS
         max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         if config.max_model_len and config.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "

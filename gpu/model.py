@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from formwork.gpu.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from formwork.kernels import cpu_fused_ops as fused
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -91,16 +93,24 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """The layer's elementwise ops (signatures and contracts: kernels/cpu_fused_ops.py)."""
+    rms_norm: Callable
+    add_rms_norm: Callable      # updates the residual in place
+    rotary: Callable            # may rotate qkv in place
+    silu_mul: Callable
+
+
+TORCH_OPS = LayerOps(fused.rms_norm_ref, fused.add_rms_norm_ref, fused.rotary_ref, fused.silu_mul_ref)
+CPU_FUSED_OPS = LayerOps(fused.rms_norm, fused.add_rms_norm, fused.rotary, fused.silu_mul)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -119,17 +129,6 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, H, D], k [T, KVH, D] -> rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -139,11 +138,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
         self.scale = self.d ** -0.5
 
-    def forward(self, x, positions, rotary, kv_cache: KVCache, meta, backend) -> torch.Tensor:
+    def forward(self, x, positions, rotary, kv_cache: KVCache, meta, backend, ops: LayerOps) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q, k = rotary(positions, q.view(t, self.h, self.d), k.view(t, self.kvh, self.d))
-        o = backend.forward(q, k, v.view(t, self.kvh, self.d), kv_cache[0], kv_cache[1], meta, self.scale)
+        qkv = self.qkv_proj(x)                        # [T, (H + 2 KVH) * D]
+        q, k = ops.rotary(qkv, positions, rotary.cos, rotary.sin, self.h, self.kvh)
+        v = qkv[:, (self.h + self.kvh) * self.d:].view(t, self.kvh, self.d)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 
@@ -154,13 +154,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= _SPLIT_GATE_UP_ROWS and self.gate_up_proj.bias is None:
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        if x.shape[0] <= _SPLIT_GATE_UP_ROWS and type(self.gate_up_proj) is nn.Linear \
+                and self.gate_up_proj.bias is None:       # (a packed linear is faster fused)
             w = self.gate_up_proj.weight  # two contiguous halves: no copy
             gate, up = F.linear(x, w[:self.inter]), F.linear(x, w[self.inter:])
-        else:
-            gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -171,9 +171,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, positions, rotary, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, kv_cache, meta, backend, ops: LayerOps):
+        """x: the previous layer's output, or the embeddings with residual None.
+        Returns (output, residual); the stream is residual + output (HF's
+        `x + attn(norm(x))`, `x + mlp(norm(x))`, the add fused into the next norm)."""
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, n1.weight, n1.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, n1.weight, n1.eps)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend, ops)
+        h, residual = ops.add_rms_norm(h, residual, n2.weight, n2.eps)
+        return self.mlp(h, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -194,16 +203,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
         self.attn_backend = attn_backend or TorchAttentionBackend()
+        self.ops = TORCH_OPS          # the executor swaps in CPU_FUSED_OPS where they build
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids/positions [T] (sequences contiguous, in order) -> normed hidden [T, hidden].
         Writes the new tokens' K/V into `kv_caches` (one (k, v) per layer)."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv, attn_metadata, self.attn_backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv, attn_metadata,
+                                self.attn_backend, self.ops)
+        norm = self.model.norm
+        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

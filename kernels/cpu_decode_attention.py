@@ -20,14 +20,12 @@ fails, `available()` is False and callers keep the torch path.
 """
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
-import threading
 
 import torch
 
-log = logging.getLogger("formwork.kernels")
+from formwork.kernels.cpu_ext import build
+from formwork.kernels.cpu_ext import failure as cpu_ext_failure
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -149,41 +147,20 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
 }
 """
 
-_lock = threading.Lock()
-_module = None
-_failed: str | None = None
-
-
-def _cpu_tag() -> str:
-    """Build flags use -march=native: key the cached build by the CPU's features."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1((flags + _SOURCE).encode()).hexdigest()[:12]
+_NAME = "formwork_decode"
 
 
 def _load():
-    global _module, _failed
-    with _lock:
-        if _module is not None or _failed is not None:
-            return _module
-        if os.environ.get("FORMWORK_CPU_ATTENTION", "").lower() == "torch":
-            _failed = "disabled by FORMWORK_CPU_ATTENTION=torch"
-            return None
-        try:
-            from torch.utils.cpp_extension import load_inline
-            _module = load_inline(
-                name=f"formwork_decode_{_cpu_tag()}", cpp_sources=_SOURCE,
-                functions=["paged_decode"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
-                verbose=False)
-        except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path
-            _failed = f"{type(e).__name__}: {e}"
-            log.warning("CPU decode-attention extension unavailable, using the torch path: %s",
-                        _failed.splitlines()[0][:300])
-        return _module
+    if os.environ.get("FORMWORK_CPU_ATTENTION", "").lower() == "torch":
+        return None
+    return build(_NAME, _SOURCE, ["paged_decode"])
+
+
+def failure() -> str | None:
+    """Why the extension is not available (None when it is)."""
+    if os.environ.get("FORMWORK_CPU_ATTENTION", "").lower() == "torch":
+        return "disabled by FORMWORK_CPU_ATTENTION=torch"
+    return cpu_ext_failure(_NAME)
 
 
 def available() -> bool:
@@ -215,7 +192,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check(q, k_cache, v_cache, block_table, seq_lens, out)
     module = _load()
     if module is None:
-        raise RuntimeError(f"CPU decode-attention extension unavailable: {_failed}")
+        raise RuntimeError(f"CPU decode-attention extension unavailable: {failure()}")
     if q.shape[0]:
         module.paged_decode(q, k_cache, v_cache, block_table, seq_lens, float(scale), out)
     return out

@@ -38,6 +38,8 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     seed: int = 0
     enforce_eager: bool = False          # CUDA: skip CUDA-graph capture
+    packed_linears: bool = True          # CPU bf16: oneDNN weights packed once (gpu/cpu_linear.py)
+    fused_elementwise: bool = True       # CPU bf16: norm/rotary/silu in C++ (kernels/cpu_fused_ops.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

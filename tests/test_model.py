@@ -10,7 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from formwork.gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache
 from formwork.gpu.loader import load_model, load_tokenizer
-from formwork.gpu.model import ModelConfig
+from formwork.gpu.cpu_linear import pack_linears, packing_supported
+from formwork.gpu.model import CPU_FUSED_OPS, ModelConfig
+from formwork.kernels import cpu_fused_ops
 
 CPU = torch.device("cpu")
 
@@ -193,8 +195,13 @@ def test_real_model_fp32_matches_hf(default_model_dir):
 
 
 @pytest.mark.slow
-def test_real_model_bf16_smoke(default_model_dir):
+@pytest.mark.parametrize("cpu_fast_path", [False, True], ids=["torch-ops", "packed+fused"])
+def test_real_model_bf16_smoke(default_model_dir, cpu_fast_path):
     ours = load_model(default_model_dir, dtype=torch.bfloat16, device=CPU)
+    if cpu_fast_path:   # what the executor does on a bf16 CPU (gpu/cpu_linear.py, kernels/cpu_fused_ops.py)
+        assert packing_supported(torch.bfloat16, CPU) and cpu_fused_ops.available()
+        assert pack_linears(ours) == 4 * ours.config.num_hidden_layers + 1
+        ours.ops = CPU_FUSED_OPS
     ref = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16).eval()
     tok = load_tokenizer(default_model_dir)
     seqs = [_chat_ids(tok, p) for p in (PROMPTS[0], PROMPTS[3])]  # bf16 is slow on AVX2-only CPUs

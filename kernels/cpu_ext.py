@@ -1,0 +1,53 @@
+"""Build-on-first-use for formwork's small C++ CPU extensions.
+
+torch's `cpp_extension.load_inline` with the machine's compiler and
+-march=native; the build is cached by torch under a name keyed by the CPU's
+feature flags and the source, so a changed source or another CPU rebuilds.
+A failed build returns None and is remembered: callers keep their torch path.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+
+log = logging.getLogger("formwork.kernels")
+
+_lock = threading.Lock()
+_built: dict[str, object] = {}
+_failures: dict[str, str] = {}
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build(name: str, source: str, functions: list[str]):
+    """The compiled module, or None if it cannot be built here (see `failure`)."""
+    with _lock:
+        if name in _built:
+            return _built[name]
+        if name in _failures:
+            return None
+        tag = hashlib.sha1((_cpu_flags() + source).encode()).hexdigest()[:12]
+        try:
+            from torch.utils.cpp_extension import load_inline   # pulls in the build tooling
+            module = load_inline(name=f"{name}_{tag}", cpp_sources=source, functions=functions,
+                                 extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path
+            _failures[name] = f"{type(e).__name__}: {e}"
+            log.warning("C++ extension %s unavailable, using the torch path: %s", name,
+                        _failures[name].splitlines()[0][:300])
+            return None
+        _built[name] = module
+        return module
+
+
+def failure(name: str) -> str | None:
+    """Why `name` did not build (None if it built or was never tried)."""
+    return _failures.get(name)

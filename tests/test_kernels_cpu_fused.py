@@ -1,0 +1,131 @@
+"""The CPU fast path's kernels against their references: the fused elementwise
+ops (kernels/cpu_fused_ops.py) over row counts, widths (vector tails included),
+strided rows and both dtypes, with their in-place contracts; the packed oneDNN
+linear (gpu/cpu_linear.py) against F.linear."""
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from formwork.gpu.cpu_linear import PackedLinear, pack_linears, packing_supported
+from formwork.kernels import cpu_fused_ops as fo
+
+HAVE_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
+pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler on this machine")
+ROWS = [0, 1, 5, 48, 333]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(got, want, ulps: int = 1):
+    """bf16: the references round at the same points, so all but a rare element are
+    bit-equal and those differ by `ulps` bf16 ulps (one rounding apart; two where a
+    rounded intermediate is multiplied again); fp32: summation order only."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.numel() == 0:
+        return
+    if want.dtype == torch.bfloat16:
+        diff = (got.float() - want.float()).abs()
+        ulp = want.float().abs().clamp_min(1e-30) * 2 ** -7
+        assert bool((diff <= ulp * ulps * 1.01).all()), diff.max()
+        assert (got != want).float().mean().item() < 0.01
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_extension_builds():
+    assert fo.available(), fo.failure()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [576, 100])           # 100: not a multiple of the vector width
+def test_rms_norm_and_add(dtype, rows, width):
+    g = torch.Generator().manual_seed(rows * 7 + width)
+    x = (torch.randn(rows, width, generator=g) * 3).to(dtype)
+    w = (torch.rand(width, generator=g) + 0.5).to(dtype)
+    close(fo.rms_norm(x, w, 1e-5), fo.rms_norm_ref(x, w, 1e-5))
+    res = torch.randn(rows, width, generator=g).to(dtype)
+    r1, r2, x_before = res.clone(), res.clone(), x.clone()
+    out1, back1 = fo.add_rms_norm(x, r1, w, 1e-6)
+    out2, back2 = fo.add_rms_norm_ref(x, r2, w, 1e-6)
+    assert back1 is r1 and back2 is r2                   # the residual is updated in place
+    assert torch.equal(r1, r2) and torch.equal(r1, (res + x))
+    assert torch.equal(x, x_before)
+    close(out1, out2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (2, 1, 128)])
+def test_rotary(dtype, rows, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(rows + heads + head_dim)
+    width = (heads + 2 * kv_heads) * head_dim
+    big = torch.randn(rows, width + 16, generator=g).to(dtype)
+    qkv = big[:, :width]                                 # strided rows, as a view into a wider buffer
+    pos = torch.randint(0, 4096, (rows,), generator=g)
+    cos, sin = torch.randn(4096, head_dim, generator=g).to(dtype), torch.randn(4096, head_dim, generator=g).to(dtype)
+    before, spare = qkv.clone(), big[:, width:].clone()
+    want_q, want_k = fo.rotary_ref(qkv, pos, cos, sin, heads, kv_heads)
+    assert torch.equal(qkv, before)                      # the reference does not mutate
+    q, k = fo.rotary(qkv, pos, cos, sin, heads, kv_heads)
+    close(q, want_q)
+    close(k, want_k)
+    if rows:                                             # rotated in place: q and k are views of qkv
+        assert q.data_ptr() == qkv.data_ptr()
+        assert k.data_ptr() == qkv.data_ptr() + heads * head_dim * qkv.element_size()
+    v_cols = slice((heads + kv_heads) * head_dim, None)
+    assert torch.equal(qkv[:, v_cols], before[:, v_cols])        # v and the spare columns untouched
+    assert torch.equal(big[:, width:], spare)
+    if rows:
+        assert not torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("inter", [1536, 37])
+def test_silu_mul(dtype, rows, inter):
+    g = torch.Generator().manual_seed(rows + inter)
+    gu = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+    close(fo.silu_mul(gu), fo.silu_mul_ref(gu), ulps=2)
+
+
+def test_refuses_bad_layouts():
+    x = torch.randn(4, 64)
+    with pytest.raises(AssertionError):
+        fo.rms_norm(x.t(), torch.ones(4), 1e-5)           # column-strided rows
+    with pytest.raises(AssertionError):
+        fo.rms_norm(x.half(), torch.ones(64).half(), 1e-5)
+    with pytest.raises(AssertionError):
+        fo.rotary(torch.randn(2, 64), torch.zeros(2, dtype=torch.int32), torch.ones(8, 32),
+                  torch.ones(8, 32), 1, 0)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 48, 64, 300, 2048])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(rows, bias):
+    assert packing_supported(torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(576, 960, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(960, 576, generator=g) * 0.05)
+        if bias:
+            lin.bias.copy_(torch.randn(960, generator=g))
+    x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    got, want = packed(x), F.linear(x, lin.weight, lin.bias)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert packed(x.view(1, rows, 576)).shape == (1, rows, 960)      # leading dims kept
+
+
+def test_pack_linears_keeps_parameters_and_is_cpu_bf16_only():
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 8, bias=False)))
+    model = model.to(torch.bfloat16)
+    keys = set(model.state_dict())
+    w = model[0].weight
+    assert pack_linears(model) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    assert set(model.state_dict()) == keys and model[0].weight is w
+    assert not packing_supported(torch.float32, torch.device("cpu"))
+    assert not packing_supported(torch.bfloat16, torch.device("meta"))
