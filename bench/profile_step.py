@@ -37,6 +37,31 @@ def categorize(name: str) -> str:
     return "other"
 
 
+def copy_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
+    """This machine's memory bandwidth as torch sees it: a large copy_ (bytes read +
+    bytes written per second), median of `reps`, at the caller's thread count."""
+    import torch
+    src = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        ts.append(time.perf_counter() - t)
+    return 2 * src.numel() * 4 / statistics.median(ts) / 1e9
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes a batch-1 decode step must read: every parameter once (the tied
+    embedding is read whole by the lm_head; packed copies replace, not add)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
 def run(llm, batch: int, steps: int, top: int) -> None:
     import torch
     from formwork import SamplingParams
@@ -99,6 +124,16 @@ def run(llm, batch: int, steps: int, top: int) -> None:
                     ("rest: grammar fill, waits, output update", max(wall - sched - fwd - smp, 0.0))):
         print(f"| {name} | {v:.2f} | {v / wall:.0%} |")
     print(f"decode tok/s at this batch: {batch / (wall / 1e3):.1f}")
+    if batch == 1:
+        import torch as _t
+        prev = _t.get_num_threads()
+        _t.set_num_threads(eng.get_stats().forward_threads or prev)
+        bw = copy_bandwidth_gbs()
+        _t.set_num_threads(prev)
+        wb = weight_bytes_per_token(runner.model)
+        floor = wb / (bw / 2 * 1e9) * 1e3      # the copy moved bw/2 GB/s each way
+        print(f"bandwidth floor: {wb / 1e6:.0f} MB of weights per token / {bw / 2:.1f} GB/s read "
+              f"(copy_ {bw:.1f} GB/s read+write) = {floor:.1f} ms; this step is {wall / floor:.2f}x the floor")
 
     # profiled pass
     add_batch("p", steps + 4)

@@ -80,3 +80,42 @@ def test_engine_env_adds_only_what_the_user_did_not_set(monkeypatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "7")
     with engine_env(EngineConfig()) as added:
         assert os.environ["GOMP_SPINCOUNT"] == "7" and added == {}
+
+
+_TEAM_PROBE = r"""
+import os, sys, threading, torch
+torch.set_num_threads(2)
+torch.ones(1 << 20).sum()                    # the main thread's team exists, as the forward's would
+from formwork.grammar.backend import allocate_bitmask
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+def on_side_thread(fn):
+    before = []
+    t = threading.Thread(target=lambda: (before.append(tasks()), fn()))
+    t.start(); t.join()
+    return tasks() - before[0] + 1            # + the side thread, gone again
+which = sys.argv[1]
+fn = (lambda: allocate_bitmask(256, 49152)) if which == "bitmask" else \
+     (lambda: torch.full((256, 1536), -1, dtype=torch.int32))
+print(on_side_thread(fn))
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="an OpenMP team needs 2 cores")
+def test_grammar_bitmask_opens_no_openmp_team_off_the_forward_thread():
+    """The engine thread allocates grammar bitmasks while the forward runs; a torch
+    op that opens an OpenMP parallel region there leaves libgomp threads behind and
+    measured 2x slower decoding for the rest of the process. The control (torch.full
+    of the same size) shows the probe sees such a team."""
+    import subprocess
+    import sys
+
+    def new_threads(which: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _TEAM_PROBE, which], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(out.stdout.strip().splitlines()[-1])
+    assert new_threads("torch.full") >= 1
+    assert new_threads("bitmask") == 0
