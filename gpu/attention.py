@@ -298,16 +298,3 @@ def _decode(q, ks, vs, g: AttnGroup, kvh: int, scale: float) -> torch.Tensor:
     qg = q.index_select(0, g.token_index).view(p, kvh, h // kvh, d)          # [P, KVH, G, D]
     o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=g.mask, scale=scale)
     return o.reshape(p, h, d)
-
-
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """"torch", "triton", or "auto" (triton on CUDA, torch elsewhere)."""
-    device = torch.device(device)
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        return TorchAttentionBackend(paged_decode=None if device.type == "cpu" else False)
-    if name == "triton":
-        from formwork.gpu.attention_triton import TritonAttentionBackend
-        return TritonAttentionBackend()
-    raise ValueError(f"attention backend {name!r}: expected 'auto', 'torch' or 'triton'")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from formwork.gpu.attention import allocate_kv_cache, get_attention_backend, kv_cache_bytes_per_block
+from formwork.gpu.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from formwork.gpu.attention_select import get_attention_backend
 from formwork.gpu.cpu_linear import pack_linears, packing_supported
 from formwork.gpu.cpu_threads import ThreadGovernor
 from formwork.gpu.cuda_graph import DecodeGraphRunner, GraphFactory, capture_sizes, pick_graph_factory
@@ -122,10 +123,8 @@ class Executor:
                          if config.adaptive_threads and self.device.type == "cpu" else None)
         dtype = resolve_dtype(config.dtype, self.device)
         mcfg = ModelConfig.from_dir(model_dir)
-        backend_name = config.attention_backend
-        if backend_name == "auto":
-            backend_name = "triton" if self.device.type == "cuda" else "torch"
-        backend = get_attention_backend(backend_name, self.device)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        backend_name = backend.name
         model = load_model(model_dir, dtype=dtype, device=self.device)
         model.attn_backend = backend
         if config.packed_linears and packing_supported(dtype, self.device):
