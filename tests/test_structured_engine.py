@@ -236,11 +236,15 @@ def test_outlines_refuses_json_object_up_front():
     validate_structured(SO(json_object=True))          # auto -> llguidance
 
 
-def test_stop_strings_do_not_cut_constrained_output(tiny):
-    """The grammar decides the end: a stop string must not truncate JSON and report "stop"."""
+def test_stop_strings_cut_constrained_output_and_say_so(tiny):
+    """As vLLM: a stop string the client asked for cuts constrained output too; the
+    output says which string cut it (stop_reason), while one the grammar ended has
+    stop_reason None, so a cut output is never taken for a complete one."""
     sp = dict(temperature=0, max_tokens=12, structured_outputs=SO(json=SIMPLE))
     base = tiny.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(**sp), use_tqdm=False)[0].outputs[0]
     with_stop = tiny.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(stop=['"'], **sp),
                               use_tqdm=False)[0].outputs[0]
     assert '"' in base.text
-    assert with_stop.text == base.text and with_stop.finish_reason == base.finish_reason
+    assert with_stop.text == base.text[:base.text.index('"')]
+    assert with_stop.finish_reason == "stop" and with_stop.stop_reason == '"'
+    assert base.stop_reason is None
