@@ -2,7 +2,7 @@
 time, to a running `formwork serve` or any OpenAI-compatible server, and each
 record is emitted as its document completes.
 
-Long documents are handled as offline (gateway/extract.py `fitted_prompt`): the
+Long documents are handled as offline (gateway/extract_prompt.py `fitted_prompt`): the
 prompt is measured with the server's POST /tokenize in its messages form (so the
 chat template counts) against the max_model_len it reports, and a document that
 does not leave room for --max-tokens is cut (tokens through /tokenize, the
@@ -19,7 +19,7 @@ import urllib.parse
 
 import httpx
 
-from formwork.gateway.extract import ExtractOptions, build_messages, fitted_prompt, warn
+from formwork.gateway.extract_prompt import ExtractOptions, build_messages, fitted_prompt, warn
 from formwork.gateway.extract_io import Document, UsageError, judge, make_record, make_validator
 
 NO_ROUTE = (404, 405, 501)

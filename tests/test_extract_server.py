@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from formwork.gateway import extract
+from formwork.gateway import extract, extract_prompt
 from formwork.gateway.extract_io import Document
 from test_extract import DOCS as BASE_DOCS
 from test_extract import MAX_MODEL_LEN, MAX_TOKENS, SCHEMA, parse
@@ -231,27 +231,27 @@ class ShiftyMeter:
 
 @pytest.mark.parametrize("doc_len", [0, 100, 400, 600, 2000])
 def test_fit_document_steps_back_after_a_shift(doc_len):
-    opts = extract.ExtractOptions(schema=SCHEMA, max_tokens=MAX_TOKENS)
+    opts = extract_prompt.ExtractOptions(schema=SCHEMA, max_tokens=MAX_TOKENS)
     meter, text = ShiftyMeter(), "x" * doc_len
     budget = 1000 - MAX_TOKENS
-    empty = meter.count(extract.build_messages("", opts))
-    cut, full, n = extract.fit_document(meter, text, opts, 1000)
+    empty = meter.count(extract_prompt.build_messages("", opts))
+    cut, full, n = extract_prompt.fit_document(meter, text, opts, 1000)
     assert full == empty + doc_len
     if full <= budget:
         assert (cut, n) == (text, full)
     else:
-        assert n <= budget and n == meter.count(extract.build_messages(cut, opts))
+        assert n <= budget and n == meter.count(extract_prompt.build_messages(cut, opts))
         assert cut.endswith("|") and n >= budget - 3
     with pytest.raises(ValueError, match="no room"):
-        extract.fit_document(meter, text + "y", opts, empty + MAX_TOKENS - 1)
+        extract_prompt.fit_document(meter, text + "y", opts, empty + MAX_TOKENS - 1)
 
 
 def test_fitted_prompt_records_what_it_does_not_send(capsys):
-    opts = extract.ExtractOptions(schema=SCHEMA, max_tokens=MAX_TOKENS, on_long="skip")
+    opts = extract_prompt.ExtractOptions(schema=SCHEMA, max_tokens=MAX_TOKENS, on_long="skip")
     doc = Document("d", "d.txt", "x" * 2000)
-    rec = extract.fitted_prompt(doc, opts, ShiftyMeter(), 1000)
+    rec = extract_prompt.fitted_prompt(doc, opts, ShiftyMeter(), 1000)
     assert rec["error"].startswith("document too long") and not rec["valid"]
     assert "d: too long, skipped" in capsys.readouterr().err
-    messages, truncated = extract.fitted_prompt(
+    messages, truncated = extract_prompt.fitted_prompt(
         doc, dataclasses.replace(opts, on_long="truncate"), ShiftyMeter(), 1000)
     assert truncated and messages[1]["content"].endswith("|")
