@@ -47,14 +47,13 @@ import os
 import sys
 import time
 
+from formwork.gateway.engine_args import add_engine_arguments, engine_config
 from formwork.gateway.extract_io import (DEFAULT_GLOBS, Document, RecordSink, Summary, UsageError,
                                 collect_documents, done_ids, load_schema)
 from formwork.gateway.extract_prompt import DEFAULT_INSTRUCTIONS, ExtractOptions, extract_offline
 
 # -- command line ---------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from formwork.gateway.cli import add_engine_arguments
-
     p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="text/markdown files, folders (searched recursively, see --glob), "
@@ -118,7 +117,6 @@ def _prepare(args: argparse.Namespace) -> tuple[ExtractOptions, list[Document]]:
 
 
 def _load_llm(args: argparse.Namespace, quiet: bool):
-    from formwork.gateway.cli import engine_config
     from formwork.gateway.llm import LLM
 
     try:

@@ -92,10 +92,12 @@ def tasks():
     return len(os.listdir("/proc/self/task"))
 
 def on_side_thread(fn):
-    before = []
-    t = threading.Thread(target=lambda: (before.append(tasks()), fn()))
+    # counted inside the side thread: libgomp keeps a master thread's team alive
+    # until that thread exits
+    seen = []
+    t = threading.Thread(target=lambda: (seen.append(tasks()), fn(), seen.append(tasks())))
     t.start(); t.join()
-    return tasks() - before[0] + 1            # + the side thread, gone again
+    return seen[1] - seen[0]
 which = sys.argv[1]
 fn = (lambda: allocate_bitmask(256, 49152)) if which == "bitmask" else \
      (lambda: torch.full((256, 1536), -1, dtype=torch.int32))
