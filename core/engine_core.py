@@ -5,7 +5,8 @@
     arrived meanwhile -> update_from_output -> outputs
 
 `abort_requests` may be called from any thread (it only queues); everything
-else is called from the engine thread.
+else is called from the engine thread. A step that fails is re-run on halves
+of its batch until the failing request(s) are found (`_isolate_failure`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from formwork.core.scheduler import Scheduler
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.sampling import check_token_ids
 from formwork.schemas.engine import EngineCoreOutputs, EngineCoreRequest, EngineStats
+from formwork.schemas.scheduler import SchedulerOutput
 
 log = logging.getLogger("formwork.engine")
 
@@ -34,6 +36,7 @@ def _make_grammar_manager(config: EngineConfig, tokenizer, vocab_size: int):
         num_threads=config.grammar_compile_threads,
         compile_timeout_s=config.grammar_compile_timeout_s,
         enable_jump_forward=config.enable_jump_forward,
+        budget_aware=config.budget_aware,
     )
 
 
@@ -132,10 +135,14 @@ class EngineCore:
             self.bitmask_seconds += t1 - t0
             self._trace("wait")
             runner_out = self.executor.sample_tokens(bitmask)
-        except Exception as e:  # a failed step: commit nothing, fail its requests alone
-            log.exception("model step failed")
+        except Exception as e:  # a failed step: commit nothing, find its culprit(s)
+            log.exception("model step failed (%d requests); isolating the culprit",
+                          len(plan.num_scheduled_tokens))
             self.executor.cancel_inflight()
-            outputs += self.scheduler.fail_step(plan, f"internal error in model step: {e}")
+            outputs += self._isolate_failure(plan, e)
+            self.steps += 1
+            if self.check_invariants_each_step:
+                self.scheduler.check_invariants()
             return EngineCoreOutputs(outputs=outputs)
         self.last_step_timing = {"fill_start": t0, "fill_end": t1, **self.executor.timings}
         self._trace("aborts")
@@ -146,6 +153,60 @@ class EngineCore:
         if self.check_invariants_each_step:
             self.scheduler.check_invariants()
         return EngineCoreOutputs(outputs=outputs)
+
+    def _run_plan(self, plan: SchedulerOutput):
+        """Forward + grammar bitmask + sample for `plan`, blocking; raises what fails."""
+        self.executor.execute_model(plan, non_block=True)
+        try:
+            bitmask = (self.structured.fill_bitmask(plan.structured_req_ids)
+                       if plan.structured_req_ids else None)
+            return self.executor.sample_tokens(bitmask)
+        except Exception:
+            self.executor.cancel_inflight()
+            raise
+
+    def _isolate_failure(self, plan: SchedulerOutput, error: Exception) -> list:
+        """Second wall of isolation: re-run the failed step on halves of its batch
+        (bisection) until the failing request(s) are found; only they finish with the
+        error, the others' tokens of this step are committed as usual.
+
+        Why a retry is sound: the failed attempt committed nothing (token counts,
+        outputs, block hashes and grammar matchers move only in update_from_output),
+        so a retry recomputes exactly the positions the failed attempt computed and
+        overwrites the K/V slots it wrote. Those slots are never shared: prefix-cache
+        sharing covers only full blocks hashed after a successful step, and a step
+        writes only positions >= num_computed_tokens. The retry plans come from
+        Scheduler.sub_plan (requests re-sent in full, so whatever runner state the
+        failed attempt left is replaced). A culprit's own blocks are freed unhashed.
+        Cost: about 2k*log2(n) extra forwards for k culprits among n requests; a
+        failure that is not any request's (the device is gone) fails them all after
+        at most 2n-2 retries. A one-request plan is its own culprit (no retry)."""
+        ids = list(plan.num_scheduled_tokens)
+        message = f"internal error in model step: {error}"
+        if len(ids) == 1:
+            return self.scheduler.fail_step(plan, message)
+        outputs: list = []
+        groups = [ids[len(ids) // 2:], ids[:len(ids) // 2]]      # a stack: first half first
+        while groups:
+            group = groups.pop()
+            outputs += self._drain_aborts()
+            sub = self.scheduler.sub_plan(plan, group)
+            if sub.total_num_scheduled_tokens == 0:            # all aborted meanwhile
+                continue
+            try:
+                runner_out = self._run_plan(sub)
+            except Exception as e:
+                if len(sub.num_scheduled_tokens) == 1:
+                    rid = next(iter(sub.num_scheduled_tokens))
+                    log.error("request %s fails the model step: %s", rid, e)
+                    outputs += self.scheduler.fail_step(sub, f"internal error in model step: {e}")
+                else:
+                    half = len(group) // 2
+                    groups += [group[half:], group[:half]]
+                continue
+            outputs += self._drain_aborts()
+            outputs += self.scheduler.update_from_output(sub, runner_out)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         with self._abort_lock:

@@ -11,8 +11,10 @@ GrammarStatus = Literal["pending", "ready", "failed"]
 class StructuredOutputManagerProtocol(Protocol):
     """Owner of per-request grammar matchers. The Scheduler only calls these."""
 
-    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
-        """Start compiling the grammar (async); status() is "pending" meanwhile."""
+    def submit(self, request_id: str, params: StructuredOutputsParams,
+               budget: int | None = None) -> None:
+        """Start compiling the grammar (async); status() is "pending" meanwhile.
+        `budget`: the most tokens the request may generate (budget-aware decoding)."""
 
     def status(self, request_id: str) -> GrammarStatus: ...
 
@@ -24,6 +26,9 @@ class StructuredOutputManagerProtocol(Protocol):
         """Advance the matcher; False if a token is not allowed (nothing advanced)."""
 
     def is_terminated(self, request_id: str) -> bool: ...
+
+    def budget_closed(self, request_id: str) -> bool:
+        """Whether the output was steered to close within its token budget."""
 
     def jump_forward_tokens(self, request_id: str) -> list[int]:
         """Forced continuation, already accepted into the matcher; [] if none/disabled."""

@@ -69,7 +69,8 @@ class Scheduler:
             if self.som is None:
                 raise ValueError("structured outputs requested but no structured output manager")
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
-            self.som.submit(req.request_id, req.sampling_params.structured_outputs)
+            self.som.submit(req.request_id, req.sampling_params.structured_outputs,
+                            budget=self._token_budget(req))
         else:
             req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
@@ -214,8 +215,9 @@ class Scheduler:
             if not self.som.accept_tokens(rid, [token_id]):
                 req.error = self.som.error(rid) or "grammar rejected token"
                 return RequestStatus.FINISHED_ERROR
-            if self.som.is_terminated(rid):
-                return RequestStatus.FINISHED_STOPPED
+            if self.som.is_terminated(rid):    # closed for its budget: max_tokens ended it
+                return (RequestStatus.FINISHED_LENGTH_CAPPED if self.som.budget_closed(rid)
+                        else RequestStatus.FINISHED_STOPPED)
         status = self._stop_status(req, token_id)
         if status is not None or not req.use_structured_output:
             return status
@@ -232,6 +234,12 @@ class Scheduler:
             chosen, top = lp
             self._pending_logprobs.setdefault(req.request_id, []).append(TokenLogprobs(
                 chosen=Logprob(token_id, chosen), top=[Logprob(t, v) for t, v in top]))
+
+    def _token_budget(self, req: Request) -> int:
+        """The most tokens `req` may generate: max_tokens, and the context's room."""
+        room = self.max_model_len - req.num_prompt_tokens
+        max_tokens = req.sampling_params.max_tokens
+        return room if max_tokens is None else min(max_tokens, room)
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
         status, reason = policy.check_stop(
@@ -296,6 +304,27 @@ class Scheduler:
             if req is not None and req.status == RequestStatus.RUNNING:
                 outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=message))
         return outputs
+
+    def sub_plan(self, plan: SchedulerOutput, req_ids: list[str]) -> SchedulerOutput:
+        """`plan` restricted to the still-running `req_ids`, for re-running a failed
+        step on part of its batch (EngineCore isolates the culprit). Same positions and
+        token counts as `plan`; each request is re-sent in full (NewRequestData with all
+        its blocks) and also listed in finished_req_ids, so the runner first drops the
+        state the failed attempt left (it had applied the plan's diffs). Mutates nothing:
+        progress is still committed only by update_from_output(sub_plan, ...)."""
+        keep = {rid for rid in req_ids
+                if (r := self.requests.get(rid)) is not None and r.status == RequestStatus.RUNNING}
+        base = {r.req_id: r.num_computed_tokens for r in plan.new_reqs}
+        base.update((r.req_id, r.num_computed_tokens) for r in plan.cached_reqs)
+        sub = PlanBuilder(plan.total_num_scheduled_tokens)
+        for rid, n in plan.num_scheduled_tokens.items():
+            if rid in keep:
+                req = self.requests[rid]
+                sub.add(req, n, base[rid], new_block_ids=[],
+                        all_block_ids=self.kv.get_block_ids(rid))
+        # plan's other requests (a re-admitted id may be in both) keep their runner state
+        sub.out.finished_req_ids = (plan.finished_req_ids - set(plan.num_scheduled_tokens)) | keep
+        return sub.out
 
     # ---- queries -------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

@@ -2,10 +2,15 @@
 
 `build_app(config, ...)` returns an app whose lifespan loads the tokenizer,
 spawns the EngineCore process and shuts it down again; `run_server` serves it.
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
+(GET / DELETE /v1/responses/{id} for stored ones), GET /v1/models,
 POST /tokenize, POST /detokenize (vLLM's), GET /health, GET /metrics,
 GET /version. With an API key set, /v1/*, /tokenize and /detokenize need
 `Authorization: Bearer <key>`.
+
+SIGTERM drains (gateway/admission.py): new requests get 503 while those in
+flight finish, for up to the drain timeout; the rest then end with a 503 error
+(JSON, or an SSE error event and [DONE]); the engine stops, the server exits 0.
 """
 from __future__ import annotations
 
@@ -14,28 +19,39 @@ import contextlib
 import hmac
 import logging
 import os
+import signal
 import time
 from importlib import metadata
-from typing import Any
+from typing import Any, Awaitable, Callable
 
+import uvicorn
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from uvicorn.config import STARTUP_FAILURE
 
 from formwork.core.engine_proc import cuda_graphs_text
+from formwork.gateway.admission import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_WAITING, Admission,
+                                        AdmissionMiddleware, max_generating)
 from formwork.gateway.engine_client import EngineClient
-from formwork.gateway.errors import APIError, EngineDeadError, install_error_handlers
+from formwork.gateway.errors import (APIError, EngineDeadError, ServerShuttingDownError,
+                                     install_error_handlers)
 from formwork.gateway.limits import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware, longest_token_chars
 from formwork.gateway.metrics import CONTENT_TYPE, Metrics
+from formwork.gateway.responses_store import ResponseStore
 from formwork.gateway.serving import ServerState
 from formwork.gateway.serving_chat import create_chat_completion
 from formwork.gateway.serving_completion import create_completion
+from formwork.gateway.serving_responses import create_response
 from formwork.gateway.serving_tokenize import detokenize, tokenize
+from formwork.gateway.tokenizer_pool import TokenizerPool
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                             ModelList)
+from formwork.schemas.responses import ResponsesRequest
 
 log = logging.getLogger("formwork.gateway")
 FATAL_EXIT_CODE = 3
+ENDED_FLUSH_S = 5.0      # after the drain timeout: for the ended requests' error responses
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 KEYED_PATHS = ("/tokenize", "/detokenize")      # outside /v1, still behind the API key
 
@@ -89,6 +105,20 @@ def _add_routes(app: FastAPI) -> None:
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(_state(request), body, request)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(_state(request), request.app.state.responses, body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        _state(request)
+        return JSONResponse(request.app.state.responses.get(response_id, "response_id").response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        request.app.state.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
     @app.get("/v1/models")
     async def models(request: Request):
         state = _state(request)
@@ -97,9 +127,18 @@ def _add_routes(app: FastAPI) -> None:
                  for name in state.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        """One model object (OpenAI's retrieve); 404 model_not_found for others."""
+        state = _state(request)
+        state.check_model(model_id)
+        card = ModelCard(id=model_id, root=state.engine.config.model or DEFAULT_MODEL_NAME,
+                         max_model_len=state.max_model_len)
+        return JSONResponse(card.model_dump(mode="json"))
+
     @app.post("/tokenize")
     async def tokenize_route(request: Request, body: dict[str, Any] = Body()):
-        resp = tokenize(_state(request), body)
+        resp = await tokenize(_state(request), body)
         return JSONResponse(resp.model_dump(mode="json"))
 
     @app.post("/detokenize")
@@ -109,8 +148,11 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request):
         """200 {"status": "ready"} while the engine answers; 503 with the state
-        ("restarting", "failed", or "unresponsive") and Retry-After otherwise."""
+        ("draining", "restarting", "failed", or "unresponsive") and Retry-After otherwise."""
         engine = _state(request).engine
+        if request.app.state.admission.draining:
+            return JSONResponse({"status": "draining", "engine_restarts": engine.restarts},
+                                status_code=503, headers={"Retry-After": "5"})
         if engine.state == "ready" and await engine.is_healthy():
             return JSONResponse({"status": "ready", "engine_restarts": engine.restarts})
         status = engine.state if engine.state != "ready" else "unresponsive"
@@ -138,9 +180,62 @@ def _exit_for_supervisor() -> None:
     os._exit(FATAL_EXIT_CODE)
 
 
+async def drain(app: FastAPI, timeout_s: float) -> None:
+    """Graceful shutdown: new requests get 503; those in flight have `timeout_s` to
+    finish, then the rest end with ServerShuttingDownError."""
+    admission: Admission = app.state.admission
+    state: ServerState | None = getattr(app.state, "server", None)
+    log.info("SIGTERM: draining %d requests in flight (new ones get 503) for up to %.0f s",
+             admission.in_flight, timeout_s)
+    if state is not None:
+        state.engine.stop_restarts()
+    if await admission.drain(timeout_s):
+        return
+    log.warning("drain timeout: ending the %d requests still in flight", admission.in_flight)
+    if state is not None:
+        state.engine.end_requests(lambda: ServerShuttingDownError(
+            f"The server is shutting down: the request was still running after the "
+            f"{timeout_s:g} s drain timeout."))
+    await admission.drain(ENDED_FLUSH_S)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose first SIGTERM runs `on_sigterm()` (the drain) while it
+    still listens, then exits as after any SIGTERM but with status 0. A second
+    SIGTERM or a SIGINT is uvicorn's usual exit."""
+
+    def __init__(self, config: uvicorn.Config, on_sigterm: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self._on_sigterm = on_sigterm
+        self._drain: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """A signal handler: runs on the main thread, which runs the event loop."""
+        if sig != signal.SIGTERM or self._drain is not None or self.should_exit:
+            return super().handle_exit(sig, frame)
+        if not self.started:
+            self.should_exit = True              # still starting: nothing to drain
+            return
+        asyncio.get_running_loop().call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.create_task(self._drain_then_exit(), name="drain")
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._on_sigterm()
+        except Exception:  # noqa: BLE001 - the exit goes on; the requests left are cut
+            log.exception("the drain failed")
+        finally:
+            self.should_exit = True
+
+
 def build_app(config: EngineConfig, *, served_model_names: list[str] | None = None,
               api_key: str | None = None,
-              max_request_body_mb: float = DEFAULT_MAX_BODY_MB) -> FastAPI:
+              max_request_body_mb: float = DEFAULT_MAX_BODY_MB,
+              admission: Admission | None = None) -> FastAPI:
+    """`admission`: the bound on generation requests in flight (default: none)."""
     names = tuple(served_model_names or [config.model or DEFAULT_MODEL_NAME])
 
     @contextlib.asynccontextmanager
@@ -153,6 +248,7 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
             max_token_chars = await asyncio.to_thread(longest_token_chars, tokenizer)
+            tokenizers = await asyncio.to_thread(TokenizerPool, tokenizer)
             engine.set_tokenizer(tokenizer)
             info = await starting
         except BaseException:
@@ -171,16 +267,20 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
                                        served_model_names=names,
                                        max_model_len=info["max_model_len"],
                                        metrics=Metrics(names[0]), api_key=api_key,
-                                       max_token_chars=max_token_chars)
+                                       max_token_chars=max_token_chars, tokenizers=tokenizers)
         try:
             yield
         finally:
             log.info("shutting down the engine")
+            tokenizers.shutdown()
             await engine.shutdown()
 
     app = FastAPI(title="formwork", version=version(), lifespan=lifespan)
+    app.state.admission = admission or Admission(None)
+    app.state.responses = ResponseStore()      # store/previous_response_id (last 1000)
     install_error_handlers(app)
     _add_routes(app)
+    app.add_middleware(AdmissionMiddleware, admission=app.state.admission)
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(max_request_body_mb * 2**20))
@@ -189,9 +289,17 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
 
 def run_server(config: EngineConfig, *, host: str, port: int,
                served_model_names: list[str] | None = None, api_key: str | None = None,
-               log_level: str = "info", max_request_body_mb: float = DEFAULT_MAX_BODY_MB) -> None:
-    import uvicorn
-
+               log_level: str = "info", max_request_body_mb: float = DEFAULT_MAX_BODY_MB,
+               max_waiting_requests: int = DEFAULT_MAX_WAITING,
+               drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
+    """Serve until SIGTERM (drained) or SIGINT; the exit status."""
+    admission = Admission(max_generating(config.max_num_seqs, max_waiting_requests))
     app = build_app(config, served_model_names=served_model_names, api_key=api_key,
-                    max_request_body_mb=max_request_body_mb)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+                    max_request_body_mb=max_request_body_mb, admission=admission)
+    server = DrainingServer(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                       timeout_graceful_shutdown=5),
+        on_sigterm=lambda: drain(app, drain_timeout_s))
+    with contextlib.suppress(KeyboardInterrupt):     # uvicorn re-raises a SIGINT it handled
+        server.run()
+    return 0 if server.started else STARTUP_FAILURE

@@ -25,7 +25,7 @@ from typing import Any
 
 from formwork.gateway.errors import bad_request
 from formwork.gateway.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolMode
-from formwork.schemas.openai import ChatMessage
+from formwork.schemas.openai import ChatMessage, ToolCall
 
 TOOLS_PROMPT = (
     "# Tools\n\n"
@@ -75,27 +75,37 @@ def _arguments_obj(arguments: str) -> Any:
         return arguments
 
 
+# legacy OpenAI roles: "function" is a tool result, "developer" a system prompt
+_ROLES = {"developer": "system", "function": "tool"}
+
+
+def _calls(msg: ChatMessage) -> list[ToolCall]:
+    """The message's tool calls; a legacy `function_call` is one."""
+    if msg.tool_calls:
+        return msg.tool_calls
+    return [ToolCall(function=msg.function_call)] if msg.function_call else []
+
+
 def _hermes_message(msg: ChatMessage, text: str) -> dict:
     """One message with tool calls / results spelled out for a template without tools."""
-    role = "system" if msg.role == "developer" else msg.role
-    if msg.role == "assistant" and msg.tool_calls:
-        calls = [f"{TOOL_CALL_OPEN}\n" + json.dumps(
+    role = _ROLES.get(msg.role, msg.role)
+    if msg.role == "assistant" and (calls := _calls(msg)):
+        spelled = [f"{TOOL_CALL_OPEN}\n" + json.dumps(
             {"name": c.function.name, "arguments": _arguments_obj(c.function.arguments)},
-            ensure_ascii=False) + f"\n{TOOL_CALL_CLOSE}" for c in msg.tool_calls]
-        text = "\n".join(([text] if text else []) + calls)
-    if msg.role == "tool":
+            ensure_ascii=False) + f"\n{TOOL_CALL_CLOSE}" for c in calls]
+        text = "\n".join(([text] if text else []) + spelled)
+    if role == "tool":
         text = f"<tool_response>\n{text}\n</tool_response>"
     return {"role": role, "content": text}
 
 
 def _native_message(msg: ChatMessage, text: str) -> dict:
-    out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role,
-                           "content": text}
-    if msg.tool_calls:
+    out: dict[str, Any] = {"role": _ROLES.get(msg.role, msg.role), "content": text}
+    if calls := _calls(msg):
         out["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": c.function.name,
                                            "arguments": _arguments_obj(c.function.arguments)}}
-                             for c in msg.tool_calls]
+                             for c in calls]
     if msg.tool_call_id:
         out["tool_call_id"] = msg.tool_call_id
     if msg.name:

@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import shutil
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import msgspec
 import zmq
@@ -71,6 +71,7 @@ class EngineClient:
         self._in_addr = self._out_addr = ""
         self.dead = False
         self._closing = False
+        self._ending: Callable[[], APIError] | None = None     # end_requests()
         self._queues: dict[str, asyncio.Queue] = {}
         self._utility: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(READY_CALL_ID + 1)
@@ -172,6 +173,18 @@ class EngineClient:
                 fut.set_exception(EngineDeadError())
         self._utility.clear()
 
+    def stop_restarts(self) -> None:
+        """The server is draining: an engine that dies from now on stays dead (its
+        requests still get 503)."""
+        self._closing = True
+
+    def end_requests(self, error: Callable[[], APIError]) -> None:
+        """Every request in flight ends with `error()`, and so does every later
+        generate() (a graceful shutdown whose drain timeout has passed)."""
+        self._ending = error
+        for q in self._queues.values():
+            q.put_nowait(error())
+
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the engine to stop, then terminate / kill it if it lingers."""
         self._closing = True
@@ -235,6 +248,8 @@ class EngineClient:
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs (with deltas) until finished. Leaving early aborts it."""
+        if self._ending is not None:
+            raise self._ending()
         if self.dead:
             raise EngineDeadError()
         q: asyncio.Queue = asyncio.Queue()

@@ -3,7 +3,8 @@
 Every error leaves the server as
 `{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}`.
 Edges raise `APIError` (or a plain ValueError "param: message", which maps to a
-400 naming `param`); `install_error_handlers(app)` turns them into responses.
+400 naming `param`); `install_error_handlers(app)` turns them into responses and
+makes the OpenAPI document say so (400, never FastAPI's 422).
 """
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from formwork.schemas.openai import ErrorInfo, ErrorResponse, FieldValueError
+from formwork.schemas.openai import ErrorInfo, ErrorResponse, FieldValueError, InvalidBodyError
 
 log = logging.getLogger("formwork.gateway")
 
 PARAM_PREFIX = re.compile(r"^([A-Za-z_][\w\.\[\]]*): ")
+FASTAPI_BODY_ERROR = "There was an error parsing the body"     # FastAPI's 400, cause chained
 
 
 class APIError(Exception):
@@ -52,8 +54,46 @@ class EngineDeadError(APIError):
         self.retry_after_s = retry_after_s
 
 
+class ServerShuttingDownError(APIError):
+    """503 with Retry-After: the server got SIGTERM. New requests get it at once;
+    requests still running when the drain timeout ends get it instead of their end."""
+
+    def __init__(self, message: str = "The server is shutting down; retry later "
+                                      "(another replica may take the request).") -> None:
+        super().__init__(503, message, type="service_unavailable_error",
+                         code="server_shutting_down")
+        self.retry_after_s = 5
+
+
+class TooManyWaitingError(APIError):
+    """429 with Retry-After: more requests are waiting than `--max-waiting-requests`."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(429, f"The server is overloaded: {limit} requests are already in "
+                              "flight or waiting (formwork serve --max-num-seqs plus "
+                              "--max-waiting-requests); retry later.",
+                         type="rate_limit_error", code="too_many_waiting_requests")
+        self.retry_after_s = 1
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def invalid_json(detail: str) -> APIError:
+    """400 for the body as a whole (not JSON, not an object, not UTF-8, nested too deep)."""
+    return bad_request("We could not parse the JSON body of your request (expected a JSON object "
+                       f"sent as application/json): {detail}", code="invalid_json")
+
+
+def _parse_failure(cause: BaseException | None) -> str:
+    """What made FastAPI's JSON parse fail, in words."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at "
+                f"offset {cause.start}: {cause.reason})")
+    if isinstance(cause, RecursionError):
+        return "the body is nested too deeply"
+    return f"{type(cause).__name__}: {cause}" if cause is not None else "unreadable body"
 
 
 def from_value_error(err: ValueError, *, param_prefix: str = "") -> APIError:
@@ -85,14 +125,14 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, FieldValueError):         # a whole-body check naming its field
         return bad_request(str(cause), param=cause.param).to_response()
+    if isinstance(cause, InvalidBodyError):
+        return invalid_json(str(cause)).to_response()
     if first.get("type") == "json_invalid" or param is None:
         # the body as a whole: not JSON, not an object, sent without a JSON content type
         detail = first.get("ctx", {}).get("error") or first.get("msg", "invalid JSON")
         if first.get("type") == "missing":
             detail = "the body is empty"
-        return bad_request(
-            "We could not parse the JSON body of your request (expected a JSON object "
-            f"sent as application/json): {detail}", code="invalid_json").to_response()
+        return invalid_json(detail).to_response()
     msg = first.get("msg", "invalid request")
     text = f"{param}: {msg}" if param else msg
     if len(errors) > 1:
@@ -122,12 +162,44 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:
+            return _counted(request, invalid_json(_parse_failure(exc.__cause__)).to_response())
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = "request_too_large" if exc.status_code == 413 else None
-        return APIError(exc.status_code, str(exc.detail), type=kind, code=code).to_response()
+        response = APIError(exc.status_code, str(exc.detail), type=kind, code=code).to_response()
+        response.headers.update(exc.headers or {})       # 405 says Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s", request.url.path)
         return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
                         type="server_error").to_response()
+
+    fastapi_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document_errors(fastapi_openapi())       # FastAPI caches it in app.openapi_schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def document_errors(schema: dict) -> None:
+    """Make an OpenAPI document (in place) say what the handlers above answer: an
+    invalid request is a 400 ErrorResponse, not FastAPI's 422 HTTPValidationError,
+    and any other error status has the same shape."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(error_schema.pop("$defs", {}))
+    components["ErrorResponse"] = error_schema
+    content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path_item in schema.get("paths", {}).values():
+        for operation in path_item.values():
+            responses = operation.setdefault("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {"description": "Invalid request", "content": content}
+            responses["default"] = {"description": "Error", "content": content}
+    components.pop("HTTPValidationError", None)
+    components.pop("ValidationError", None)

@@ -4,7 +4,16 @@ Gateway-side: requests by finish reason, prompt / generation tokens, TTFT, TPOT
 and end-to-end latency histograms. Engine-side values come from the EngineStats
 snapshot fetched (utility call) when /metrics is scraped: running / waiting
 requests, KV blocks and usage, prefix cache, preemptions, grammar compiles,
-compile cache hits, compile and bitmask seconds.
+compile cache hits, compile and bitmask seconds. Re-validated constrained outputs:
+formwork_constrained_outputs_total{result="valid|invalid|unchecked"}.
+
+vLLM's names are exposed beside formwork's (same values, `model_name` label), so
+dashboards built for vLLM work: vllm:num_requests_running / _waiting,
+vllm:kv_cache_usage_perc and its old name vllm:gpu_cache_usage_perc (a 0-1
+fraction whatever the device), vllm:prompt_tokens_total,
+vllm:generation_tokens_total, vllm:request_success_total{finished_reason},
+vllm:time_to_first_token_seconds, vllm:time_per_output_token_seconds and
+vllm:e2e_request_latency_seconds (histograms).
 """
 from __future__ import annotations
 
@@ -37,14 +46,31 @@ class RequestTimer:
 class _EngineCollector:
     """Exposes the latest EngineStats snapshot (set by `Metrics.render`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         self.stats: EngineStats | None = None
+        self.model_name = model_name
+
+    def _vllm_gauges(self, s: EngineStats, usage: float):
+        """vLLM's names for the same values, labelled by model_name as vLLM's."""
+        gauges = {
+            "num_requests_running": ("Requests in the running batch.", s.num_running),
+            "num_requests_waiting": ("Requests waiting to be scheduled (incl. grammar).",
+                                     s.num_waiting + s.num_waiting_for_grammar),
+            "kv_cache_usage_perc": ("KV-cache usage (0-1).", usage),
+            "gpu_cache_usage_perc": ("KV-cache usage (0-1); vLLM's older name, kept for "
+                                     "dashboards (CPU too).", usage),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            yield g
 
     def collect(self):
         s = self.stats
         if s is None:
             return
         held = s.kv_total_blocks - s.kv_free_blocks     # kv_free_blocks: allocatable
+        yield from self._vllm_gauges(s, held / max(1, s.kv_total_blocks))
         gauges = {
             "num_requests_running": ("Requests in the running batch.", s.num_running),
             "num_requests_waiting": ("Requests waiting to be scheduled.", s.num_waiting),
@@ -83,6 +109,25 @@ class _EngineCollector:
             yield c
 
 
+class _VLLMRequestMetrics:
+    """The gateway's request metrics under vLLM's names (observed with formwork's)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        labels = ["model_name"]
+        self._requests = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                 labels + ["finished_reason"], registry=r)
+        self._prompt = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels,
+                               registry=r)
+        self._gen = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r)
+        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                               labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self._tpot = Histogram("vllm:time_per_output_token_seconds",
+                               "Mean time per output token after the first.", labels,
+                               buckets=_TPOT_BUCKETS, registry=r)
+        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+
+
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -101,21 +146,31 @@ class Metrics:
                                buckets=_TPOT_BUCKETS, registry=r)
         self._e2e = Histogram("formwork_e2e_request_latency_seconds", "End-to-end request latency.",
                               labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self._engine = _EngineCollector()
+        self._constrained = Counter("formwork_constrained_outputs",
+                                    "Finished constrained choices by re-validation result.",
+                                    labels + ["result"], registry=r)
+        self._vllm = _VLLMRequestMetrics(r)
+        self._engine = _EngineCollector(model_name)
         r.register(self._engine)
 
     def observe_finished(self, timer: RequestTimer, prompt_tokens: int,
                          finish_reasons: list[str | None]) -> None:
         now, m = time.monotonic(), self.model_name
-        for reason in finish_reasons:
-            self._requests.labels(m, reason or "unknown").inc()
-        self._prompt.labels(m).inc(prompt_tokens)
-        self._gen.labels(m).inc(timer.num_tokens)
-        self._e2e.labels(m).observe(now - timer.arrival)
-        if timer.first_token is not None:
-            self._ttft.labels(m).observe(timer.first_token - timer.arrival)
-            if timer.num_tokens > 1:
-                self._tpot.labels(m).observe((now - timer.first_token) / (timer.num_tokens - 1))
+        for family in (self, self._vllm):
+            for reason in finish_reasons:
+                family._requests.labels(m, reason or "unknown").inc()
+            family._prompt.labels(m).inc(prompt_tokens)
+            family._gen.labels(m).inc(timer.num_tokens)
+            family._e2e.labels(m).observe(now - timer.arrival)
+            if timer.first_token is not None:
+                family._ttft.labels(m).observe(timer.first_token - timer.arrival)
+                if timer.num_tokens > 1:
+                    family._tpot.labels(m).observe(
+                        (now - timer.first_token) / (timer.num_tokens - 1))
+
+    def observe_constrained(self, result: str) -> None:
+        """One finished constrained choice: "valid" | "invalid" | "unchecked"."""
+        self._constrained.labels(self.model_name, result).inc()
 
     def observe_error(self, status: int) -> None:
         self._errors.labels(self.model_name, str(status)).inc()

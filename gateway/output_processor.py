@@ -67,9 +67,10 @@ class _Detok:
     def __init__(self, tokenizer, params: SamplingParams):
         self._tok = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        # A grammar decides where a constrained output ends: a stop string could cut
-        # valid JSON and still report "stop", so stop strings apply to free text only.
-        self.stops = (params.stop or []) if params.structured_outputs is None else []
+        # Stop strings apply under a structured-output constraint too, as vLLM's: the
+        # client asked for the cut. `stop_reason` names the string, so a cut output is
+        # told apart from one the grammar ended (stop_reason None).
+        self.stops = params.stop or []
         self.include_stop = params.include_stop_str_in_output
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""

@@ -7,13 +7,24 @@ from __future__ import annotations
 import msgspec
 
 from formwork.gateway.errors import APIError, bad_request
+from formwork.gateway.tools import ToolMode, tool_constraint
 from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
-from formwork.schemas.sampling import SamplingParams
-from formwork.schemas.structured import StructuredOutputsParams
+from formwork.schemas.sampling import SamplingParams, check_token_ids
+from formwork.schemas.structured import FALSE_SCHEMA, KINDS, StructuredOutputsParams, is_set
 
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                 "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+MAX_TEMPERATURE = 2.0        # OpenAI's bound (the offline SamplingParams has none, as vLLM)
+# vLLM's structured_outputs options -> formwork's fields (a False is vLLM's default: no change)
+_VLLM_FLAGS = {"disable_any_whitespace": ("whitespace", "compact"),
+               "disable_additional_properties": ("additional_properties", "declared"),
+               "disable_fallback": None}     # formwork never falls back from a named backend
+# vLLM's guided_decoding_backend options ("xgrammar:disable-any-whitespace,no-fallback")
+_BACKEND_OPTIONS = {"disable-any-whitespace": "disable_any_whitespace",
+                    "no-additional-properties": "disable_additional_properties",
+                    "no-fallback": "disable_fallback"}
+_FIELDS = frozenset(StructuredOutputsParams.__struct_fields__)
 
 
 def _response_format(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputsParams | None:
@@ -26,36 +37,113 @@ def _response_format(req: ChatCompletionRequest | CompletionRequest) -> Structur
         raise bad_request("response_format.json_schema: a 'json_schema' object with a 'schema' "
                           "is required when type is 'json_schema'",
                           param="response_format.json_schema")
+    if rf.json_schema.json_schema is False:
+        raise bad_request(f"response_format.json_schema.schema: {FALSE_SCHEMA}",
+                          param="response_format.json_schema.schema")
     return StructuredOutputsParams(json=rf.json_schema.json_schema)
 
 
-def _extension(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputsParams | None:
-    raw = dict(req.structured_outputs or {})
+def _vllm_options(raw: dict, param: str) -> dict:
+    """vLLM's option names in `raw` (structured_outputs) as formwork's fields; any
+    other unknown field is a 400 (never silently ignored)."""
+    out = {k: v for k, v in raw.items() if k not in _VLLM_FLAGS}
+    for key in raw.keys() & _VLLM_FLAGS.keys():
+        if not isinstance(raw[key], bool):
+            raise bad_request(f"{param}.{key}: must be a boolean", param=f"{param}.{key}")
+        if raw[key] and _VLLM_FLAGS[key] is not None:
+            field, value = _VLLM_FLAGS[key]
+            if out.get(field, value) != value:
+                raise bad_request(f"{param}.{key}: contradicts {field}={out[field]!r}",
+                                  param=f"{param}.{key}")
+            out[field] = value
+    unknown = sorted(k for k in out if k not in _FIELDS)
+    if unknown:
+        raise bad_request(f"{param}.{unknown[0]}: unknown field; known: {', '.join(sorted(_FIELDS))}"
+                          f", and vLLM's {', '.join(_VLLM_FLAGS)}", param=f"{param}.{unknown[0]}")
+    return out
+
+
+def _backend_options(req: ChatCompletionRequest | CompletionRequest) -> dict:
+    """Top-level guided_decoding_backend ("name[:opt,opt]") and guided_whitespace_pattern
+    as structured_outputs fields."""
+    out: dict = {}
+    if req.guided_decoding_backend is not None:
+        name, _, opts = req.guided_decoding_backend.partition(":")
+        out["backend"] = name.strip()
+        for opt in filter(None, (o.strip() for o in opts.split(","))):
+            if opt not in _BACKEND_OPTIONS:
+                raise bad_request(f"guided_decoding_backend: unknown option {opt!r}; known: "
+                                  f"{', '.join(_BACKEND_OPTIONS)}", param="guided_decoding_backend")
+            out[_BACKEND_OPTIONS[opt]] = True
+    if req.guided_whitespace_pattern is not None:
+        out["whitespace_pattern"] = req.guided_whitespace_pattern
+    return out
+
+
+def _extension(req: ChatCompletionRequest | CompletionRequest
+               ) -> tuple[StructuredOutputsParams | None, dict]:
+    """(vLLM's structured_outputs / guided_* constraint or None, the options given
+    without a constraint: they apply to the response_format's or the tools')."""
+    raw = _vllm_options(dict(req.structured_outputs or {}), "structured_outputs")
     for old, new in (("guided_json", "json"), ("guided_regex", "regex"),
                      ("guided_choice", "choice"), ("guided_grammar", "grammar")):
         if getattr(req, old) is not None:
             raw[new] = getattr(req, old)
-    if not raw:
-        return None
+    if not raw or not any(is_set(k, raw.get(k)) for k in KINDS):
+        return None, {k: v for k, v in raw.items() if k not in KINDS}
+    if raw.get("json") is False:
+        raise bad_request(f"structured_outputs.json: {FALSE_SCHEMA}",
+                          param="structured_outputs.json")
     try:
-        return msgspec.convert(raw, StructuredOutputsParams)
+        return msgspec.convert(raw, StructuredOutputsParams), {}
     except msgspec.ValidationError as e:
         raise bad_request(f"structured_outputs: {e}", param="structured_outputs") from None
 
 
+def _with_options(params: StructuredOutputsParams | None, opts: dict,
+                  param: str) -> StructuredOutputsParams | None:
+    """`params` with options (backend, whitespace, ...) set; a 400 naming `param`
+    when one contradicts what the constraint already says. No constraint: nothing
+    to apply them to (as vLLM)."""
+    if params is None or not opts:
+        return params
+    default = StructuredOutputsParams(json={})
+    for field, value in opts.items():
+        if getattr(params, field) not in (getattr(default, field), value):
+            raise bad_request(f"{param}: contradicts the constraint's {field}="
+                              f"{getattr(params, field)!r}", param=param)
+    try:
+        return msgspec.convert(msgspec.to_builtins(params) | opts, StructuredOutputsParams)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"{param}: {e}", param=param) from None
+
+
 def structured_from_request(
-        req: ChatCompletionRequest | CompletionRequest,
-        tool_constraint: StructuredOutputsParams | None = None,
+        req: ChatCompletionRequest | CompletionRequest, tools: ToolMode | None = None,
 ) -> tuple[StructuredOutputsParams | None, str | None]:
-    """The request's single output constraint and the field it came from."""
-    found = [(p, name) for p, name in ((_response_format(req), "response_format"),
-                                       (_extension(req), "structured_outputs"),
-                                       (tool_constraint, "tools")) if p is not None]
+    """The request's output constraint and the field it came from.
+
+    One of response_format / structured_outputs (and the guided_* aliases). With
+    tools, `tools.kind` decides (gateway/tools.py): "none" keeps that constraint,
+    "required"/named replace the response_format by the tool constraint, "auto"
+    combines them (an answer in the format, or tool calls)."""
+    fmt, (ext, ext_options) = _response_format(req), _extension(req)
+    found = [(p, name) for p, name in ((fmt, "response_format"), (ext, "structured_outputs"))
+             if p is not None]
+    uses_tools = tools is not None and tools.kind != "none" and bool(tools.tools)
+    if uses_tools and ext is not None:
+        found.append((None, "tools"))
     if len(found) > 1:
         names = " and ".join(name for _, name in found)
         raise bad_request(f"{found[1][1]}: only one output constraint per request, got {names}",
                           param=found[1][1])
-    return found[0] if found else (None, None)
+    constraint, source = found[0] if found else (None, None)
+    if uses_tools:
+        constraint, source = tool_constraint(tools, constraint), "tools"
+    constraint = _with_options(constraint, ext_options, "structured_outputs")
+    top = _backend_options(req)
+    param = "guided_whitespace_pattern" if "whitespace_pattern" in top else "guided_decoding_backend"
+    return _with_options(constraint, _vllm_options(top, param), param), source
 
 
 def validate_constraint(params: StructuredOutputsParams, source: str,
@@ -87,16 +175,23 @@ def context_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_tokens: int,
                     logprobs: int | None, structured: StructuredOutputsParams | None,
                     rename: dict[str, str] | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    vocab_size: int | None = None) -> SamplingParams:
     """Build SamplingParams; its ValueError "param: msg" becomes a 400 on the request field
-    (`rename` maps engine names to request names, e.g. logprobs -> top_logprobs)."""
+    (`rename` maps engine names to request names, e.g. logprobs -> top_logprobs).
+    `vocab_size`: token ids (stop_token_ids, logit_bias) are checked against it."""
     fields = {k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
+    if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
+        raise bad_request(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}",
+                          param="temperature")
     try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs,
-                              structured_outputs=structured, **fields)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs, structured_outputs=structured,
+                                logit_bias=_logit_bias(req), **fields)
+        if vocab_size is not None:
+            check_token_ids(params, vocab_size)
     except ValueError as e:
         text = str(e)
         param = text.split(":", 1)[0] if ":" in text else None
@@ -104,6 +199,36 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_token
             text = rename[param] + text[len(param):]
             param = rename[param]
         raise bad_request(text, param=param) from None
+    check_min_tokens(params)
+    return params
+
+
+def _logit_bias(req: ChatCompletionRequest | CompletionRequest) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} with integer keys (range checks: SamplingParams)."""
+    if not req.logit_bias:
+        return None
+    out = {}
+    for key, bias in req.logit_bias.items():
+        try:
+            out[int(key)] = float(bias)
+        except ValueError:
+            raise bad_request(f"logit_bias: keys must be token ids (integers as strings), "
+                              f"got {key!r}", param="logit_bias") from None
+    return out
+
+
+def check_min_tokens(params: SamplingParams) -> None:
+    """400 before queueing for a min_tokens no output of a `choice` constraint can
+    reach: a choice of b UTF-8 bytes takes at most b tokens (one per byte)."""
+    so = params.structured_outputs
+    if not params.min_tokens or so is None or so.kind() != "choice":
+        return
+    longest = max(len(c.encode("utf-8")) for c in so.choice)
+    if params.min_tokens > longest:
+        raise bad_request(
+            f"min_tokens: {params.min_tokens} tokens cannot be generated under this choice "
+            f"constraint: its longest choice is {longest} bytes, at most {longest} tokens",
+            param="min_tokens")
 
 
 def explicit_prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 
@@ -14,6 +14,7 @@ from formwork.gateway.engine_client import EngineClient, EngineRequestError
 from formwork.gateway.errors import APIError
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_processor import RequestOutput
+from formwork.gateway.tokenizer_pool import TokenizerPool
 from formwork.schemas.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -28,6 +29,15 @@ class ServerState:
     metrics: Metrics
     api_key: str | None = None
     max_token_chars: int = 1 << 30      # the tokenizer's longest token (gateway/limits.py)
+    # chat templating / tokenizing off the event loop; None: inline (unit tests' apps)
+    tokenizers: TokenizerPool | None = None
+
+    async def run_tokenizer(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """`fn(tokenizer, *args)` on a tokenizer worker thread (its own tokenizer copy);
+        inline with `self.tokenizer` when there is no pool."""
+        if self.tokenizers is None:
+            return fn(self.tokenizer, *args, **kwargs)
+        return await self.tokenizers.run(fn, *args, **kwargs)
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""

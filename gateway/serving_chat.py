@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from formwork.gateway.chat import build_chat_prompt
 from formwork.gateway.errors import APIError
 from formwork.gateway.limits import check_text_fits
-from formwork.gateway.metrics import RequestTimer
+from formwork.gateway.metrics import Metrics, RequestTimer
+from formwork.gateway.output_check import Verdict, check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens,
                             explicit_prompt_logprobs, sampling_params, structured_from_request,
@@ -22,7 +23,7 @@ from formwork.gateway.serving import (ServerState, TokenText, blame, generate_fi
                              run_until_disconnect, sse, sse_error, stream_outputs)
 from formwork.gateway.serving_completion import prompt_logprobs_field
 from formwork.gateway.tools import (ToolMode, ToolStreamParser, finish_reason_with_tools,
-                           parse_tool_output, resolve_tool_mode, tool_constraint)
+                           parse_tool_output, resolve_tool_mode)
 from formwork.schemas.engine import TokenLogprobs
 from formwork.schemas.openai import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                             ChatCompletionResponse, ChatStreamChoice, ChoiceLogprobs, DeltaMessage,
@@ -50,22 +51,24 @@ def _texts(content) -> list[str]:
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
     """All validation before anything is queued. The constraint check runs in a worker
-    thread (it may compile); the tokenizer is only used on the event loop's thread
-    (HF fast tokenizers fail when one instance is used from several threads)."""
+    thread (it may compile); templating and tokenizing on a tokenizer worker thread
+    with its own tokenizer copy (gateway/tokenizer_pool.py)."""
     model = state.check_model(req.model)
     mode = resolve_tool_mode(req)
-    structured, source = structured_from_request(req, tool_constraint(mode))
+    structured, source = structured_from_request(req, mode)
     if structured is not None:
         await asyncio.to_thread(validate_constraint, structured, source,
                                 state.engine.config.structured_backend)
     check_text_fits((t for m in req.messages for t in _texts(m.content)), state.max_model_len,
                     state.max_token_chars, "messages")
-    prompt, ids = build_chat_prompt(state.tokenizer, req.messages, mode, req.chat_template_kwargs)
+    prompt, ids = await state.run_tokenizer(build_chat_prompt, req.messages, mode,
+                                            req.chat_template_kwargs)
     requested, max_param = chat_max_tokens(req)
     max_tokens = context_max_tokens(len(ids), requested, state.max_model_len, "messages")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=chat_logprobs(req),
                              structured=structured, prompt_logprobs=explicit_prompt_logprobs(req),
-                             rename={"max_tokens": max_param, "logprobs": "top_logprobs"})
+                             rename={"max_tokens": max_param, "logprobs": "top_logprobs"},
+                             vocab_size=len(state.tokenizer))
     return PreparedChat(model, prompt, ids, params, mode, source)
 
 
@@ -92,13 +95,24 @@ def _usage(prompt_len: int, ro: RequestOutput) -> UsageInfo:
                      prompt_tokens_details={"cached_tokens": ro.num_cached_tokens})
 
 
-def _choice(c: CompletionOutput, mode: ToolMode, text: TokenText) -> ChatChoice:
+def output_verdict(prep: PreparedChat, c: CompletionOutput, metrics: Metrics) -> Verdict | None:
+    """Re-validates a finished choice (gateway/output_check.py) and counts the result."""
+    verdict = check_output(prep.params.structured_outputs, prep.mode, c.text, c.finish_reason,
+                           c.stop_reason)
+    if verdict is not None:
+        metrics.observe_constrained(verdict.result)
+    return verdict
+
+
+def _choice(c: CompletionOutput, mode: ToolMode, text: TokenText,
+            verdict: Verdict | None = None) -> ChatChoice:
     content, calls = parse_tool_output(mode, c.text)
     return ChatChoice(index=c.index,
-                      message=ResponseMessage(content=content, tool_calls=calls),
+                      message=ResponseMessage(content=content, tool_calls=calls or None),
                       logprobs=chat_logprobs_obj(c.logprobs, text),
                       finish_reason=finish_reason_with_tools(c.finish_reason, calls),
-                      stop_reason=c.stop_reason)
+                      stop_reason=c.stop_reason,
+                      formwork=verdict.field() if verdict is not None else None)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
@@ -115,11 +129,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     except APIError as e:
         raise blame(e, prep.source) from None
     text = TokenText(state.tokenizer)
-    resp = ChatCompletionResponse(id=request_id, model=prep.model,
-                                  choices=[_choice(c, prep.mode, text) for c in final.outputs],
+    choices = [_choice(c, prep.mode, text, output_verdict(prep, c, state.metrics))
+               for c in final.outputs]
+    resp = ChatCompletionResponse(id=request_id, model=prep.model, choices=choices,
                                   usage=_usage(len(prep.prompt_ids), final),
                                   prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs))
-    return JSONResponse(resp.model_dump(mode="json"))
+    data = resp.model_dump(mode="json")
+    drop_unset(data["choices"])
+    return JSONResponse(data)
 
 
 def _chunk(request_id: str, created: int, model: str, choice: ChatStreamChoice | None,
@@ -131,6 +148,7 @@ def _chunk(request_id: str, created: int, model: str, choice: ChatStreamChoice |
         c["delta"] = model_choice.delta.model_dump(mode="json", exclude_none=True)
         if model_choice.logprobs is None:
             c["logprobs"] = None
+    drop_unset(data["choices"])
     if not include_usage:
         data.pop("usage")
     return sse(data)
@@ -154,7 +172,9 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
                 for c in ro.outputs:
                     if sent_final[c.index]:
                         continue
-                    for piece in _choice_chunks(c, parsers[c.index], text):
+                    verdict = (output_verdict(prep, c, state.metrics)
+                               if c.finish_reason is not None else None)
+                    for piece in _choice_chunks(c, parsers[c.index], text, verdict):
                         yield _chunk(request_id, created, model, piece, include_usage)
                     sent_final[c.index] = c.finish_reason is not None
     except APIError as e:
@@ -166,9 +186,10 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
     yield sse("[DONE]")
 
 
-def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser,
-                   text: TokenText) -> list[ChatStreamChoice]:
-    """The chunks of one completion's delta: content / tool calls, then the finish chunk."""
+def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser, text: TokenText,
+                   verdict: Verdict | None = None) -> list[ChatStreamChoice]:
+    """The chunks of one completion's delta: content / tool calls, then the finish chunk
+    (carrying the `formwork` verdict of a constrained choice)."""
     content, calls = parser.feed(c.delta_text)
     if c.finish_reason is not None:
         tail_content, tail_calls = parser.finish()
@@ -183,5 +204,6 @@ def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser,
         reason = c.finish_reason
         if reason == "stop" and parser.num_calls:
             reason = "tool_calls"
-        pieces.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason))
+        pieces.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
+                                       formwork=verdict.field() if verdict else None))
     return pieces

@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from formwork.gateway.errors import APIError, bad_request
 from formwork.gateway.limits import check_text_fits
-from formwork.gateway.metrics import RequestTimer
+from formwork.gateway.metrics import Metrics, RequestTimer
+from formwork.gateway.output_check import check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, PromptLogprobsList, RequestOutput
 from formwork.gateway.params import (context_max_tokens, explicit_prompt_logprobs, sampling_params,
                             structured_from_request, validate_constraint)
@@ -44,7 +45,8 @@ class PreparedCompletion:
     show_prompt_logprobs: bool = False                # `prompt_logprobs` field in the choices
 
 
-def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
+def _prompts(tokenizer, state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
+    """Runs on a tokenizer worker thread (state.run_tokenizer): `tokenizer` is its own."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -55,27 +57,27 @@ def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
     for p in prompt:
         if isinstance(p, str):
             check_text_fits([p], state.max_model_len, state.max_token_chars, "prompt")
-            ids = state.tokenizer(p, add_special_tokens=False).input_ids
+            ids = tokenizer(p, add_special_tokens=False).input_ids
             out.append((p, list(ids)))
         else:
-            bad = next((t for t in p if not 0 <= t < len(state.tokenizer)), None)
+            bad = next((t for t in p if not 0 <= t < len(tokenizer)), None)
             if bad is not None:
                 raise bad_request(f"prompt: token id {bad} is out of range", param="prompt")
-            out.append((state.tokenizer.decode(p), list(p)))
+            out.append((tokenizer.decode(p), list(p)))
         if not out[-1][1]:
             raise bad_request("prompt: must not be empty", param="prompt")
     return out
 
 
 async def prepare_completion(state: ServerState, req: CompletionRequest) -> PreparedCompletion:
-    """As prepare_chat: the constraint check in a thread, the tokenizer on this one."""
+    """As prepare_chat: the constraint check in a thread, tokenizing on a tokenizer worker."""
     model = state.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix: is not supported", param="suffix")
     best_of = req.n if req.best_of is None else req.best_of
     if best_of < req.n:
         raise bad_request(f"best_of: must be >= n ({req.n}), got {best_of}", param="best_of")
-    if best_of > MAX_N:
+    if req.best_of is not None and best_of > MAX_N:      # (n itself: SamplingParams)
         raise bad_request(f"best_of: must be <= {MAX_N}, got {best_of}", param="best_of")
     if best_of > req.n and req.stream:
         raise bad_request("best_of: cannot be used with stream (the best candidates are known "
@@ -92,10 +94,11 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     if structured is not None:
         await asyncio.to_thread(validate_constraint, structured, source,
                                 state.engine.config.structured_backend)
-    prompts = _prompts(state, req.prompt)
+    prompts = await state.run_tokenizer(_prompts, state, req.prompt)
     params = [sampling_params(req, max_tokens=context_max_tokens(
                   len(ids), req.max_tokens, state.max_model_len, "prompt"),
-                  logprobs=engine_lp, prompt_logprobs=engine_plp, structured=structured)
+                  logprobs=engine_lp, prompt_logprobs=engine_plp, structured=structured,
+                  vocab_size=len(state.tokenizer))
               for _, ids in prompts]
     if best_of != req.n:
         params = [p.clone(n=best_of) for p in params]
@@ -162,8 +165,18 @@ def _best(prep: PreparedCompletion, outputs: list[CompletionOutput]) -> list[Com
     return sorted(outputs, key=lambda c: c.cumulative_logprob, reverse=True)[:prep.n]
 
 
+def _verdict_field(prep: PreparedCompletion, i: int, c: CompletionOutput, metrics: Metrics):
+    """The `formwork` field of a finished choice (None: unconstrained); counted."""
+    verdict = check_output(prep.params[i].structured_outputs, None, c.text, c.finish_reason,
+                           c.stop_reason)
+    if verdict is None:
+        return None
+    metrics.observe_constrained(verdict.result)
+    return verdict.field()
+
+
 def _choices(prep: PreparedCompletion, i: int, ro: RequestOutput,
-             text: TokenText) -> list[CompletionChoice]:
+             text: TokenText, metrics: Metrics) -> list[CompletionChoice]:
     prompt_text, prompt_ids = prep.prompts[i]
     prefix = (prompt_text or "") if prep.echo else ""
     plp_field = prompt_logprobs_field(ro.prompt_logprobs) if prep.show_prompt_logprobs else None
@@ -175,7 +188,8 @@ def _choices(prep: PreparedCompletion, i: int, ro: RequestOutput,
             lp = completion_logprobs(c.logprobs, text, len(prefix), head)
         choices.append(CompletionChoice(
             index=i * prep.n + j, text=prefix + c.text, logprobs=lp,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=plp_field))
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=plp_field,
+            formwork=_verdict_field(prep, i, c, metrics)))
     return choices
 
 
@@ -193,10 +207,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     except APIError as e:
         raise blame(e, prep.source) from None
     text = TokenText(state.tokenizer)
-    choices = [c for i, ro in enumerate(finals) for c in _choices(prep, i, ro, text)]
+    choices = [c for i, ro in enumerate(finals)
+               for c in _choices(prep, i, ro, text, state.metrics)]
     resp = CompletionResponse(id=request_id, model=prep.model, choices=choices,
                               usage=_usage(prep, finals))
-    return JSONResponse(resp.model_dump(mode="json"))
+    data = resp.model_dump(mode="json")
+    drop_unset(data["choices"])
+    return JSONResponse(data)
 
 
 async def _merged(state: ServerState, prep: PreparedCompletion,
@@ -264,10 +281,13 @@ async def _stream(state: ServerState, prep: PreparedCompletion, request_id: str,
                         continue
                     lp = completion_logprobs(c.delta_logprobs, text, start, head)
                     offsets[idx] = offsets.get(idx, 0) + len(delta)
-                    yield chunk([{"index": idx, "text": delta,
-                                  "logprobs": lp.model_dump(mode="json") if lp else None,
-                                  "finish_reason": c.finish_reason,
-                                  "stop_reason": c.stop_reason}])
+                    choice = {"index": idx, "text": delta,
+                              "logprobs": lp.model_dump(mode="json") if lp else None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if c.finish_reason is not None and \
+                            (check := _verdict_field(prep, i, c, state.metrics)) is not None:
+                        choice["formwork"] = check.model_dump(mode="json")
+                    yield chunk([choice])
                 if ro.finished:
                     finals[i] = ro
     except APIError as e:

@@ -35,12 +35,8 @@ def parse_tokenize_request(body: dict[str, Any]) -> TokenizeChatRequest | Tokeni
                                       for err in e.errors()]) from None
 
 
-def _chat_ids(state: ServerState, req: TokenizeChatRequest) -> list[int]:
-    if req.continue_final_message and req.add_generation_prompt:
-        raise bad_request("continue_final_message: cannot be used together with "
-                          "add_generation_prompt=true; set add_generation_prompt to false",
-                          param="continue_final_message")
-    _, ids = build_chat_prompt(state.tokenizer, req.messages, resolve_tool_mode(req),
+def _chat_ids(tokenizer, req: TokenizeChatRequest) -> list[int]:
+    _, ids = build_chat_prompt(tokenizer, req.messages, resolve_tool_mode(req),
                                req.chat_template_kwargs,
                                add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
@@ -48,15 +44,25 @@ def _chat_ids(state: ServerState, req: TokenizeChatRequest) -> list[int]:
     return ids
 
 
-def tokenize(state: ServerState, body: dict[str, Any]) -> TokenizeResponse:
-    """Runs on the event loop's thread (the tokenizer is not shared across threads)."""
+def _tokenize(tokenizer, req: TokenizeChatRequest | TokenizeCompletionRequest
+              ) -> tuple[list[int], list[str] | None]:
+    if isinstance(req, TokenizeChatRequest):
+        ids = _chat_ids(tokenizer, req)
+    else:
+        ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    return ids, (tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None)
+
+
+async def tokenize(state: ServerState, body: dict[str, Any]) -> TokenizeResponse:
+    """Templating and tokenizing run on a tokenizer worker thread (gateway/tokenizer_pool.py)."""
     req = parse_tokenize_request(body)
     state.check_model(req.model)
-    if isinstance(req, TokenizeChatRequest):
-        ids = _chat_ids(state, req)
-    else:
-        ids = list(state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-    strs = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    if (isinstance(req, TokenizeChatRequest) and req.continue_final_message
+            and req.add_generation_prompt):
+        raise bad_request("continue_final_message: cannot be used together with "
+                          "add_generation_prompt=true; set add_generation_prompt to false",
+                          param="continue_final_message")
+    ids, strs = await state.run_tokenizer(_tokenize, req)
     return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
                             token_strs=strs)
 

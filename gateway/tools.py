@@ -16,6 +16,16 @@ tool_choice  | constraint on the output                     | parsed as
 "required"   | JSON: one {"name", "arguments"} object (any  | the JSON value
              | tool), or an array of them if parallel       |
 named        | JSON: that function's parameters schema      | arguments = the output
+"auto" with  | structural tag: either the response_format's | content (the answer) or
+response_    | JSON, or one or more <tool_call> segments    | the calls, as "auto"
+format       | (only one without parallel calls)            |
+
+With a `response_format`, "none" applies the format and "required"/named the
+tool constraint (the format is for the final answer, as OpenAI's).
+
+A tool's parameters schema keeps its meaning wherever it is embedded: in the
+"required" wrapper its `$defs`/`definitions` move to the wrapper's root (renamed
+per tool) and its local `$ref`s are rewritten to the new locations.
 
 `parallel_tool_calls=false` is enforced by the grammar in auto and required
 modes: at most one call can be generated, none is dropped afterwards.
@@ -27,6 +37,7 @@ import re
 from dataclasses import dataclass
 
 from formwork.gateway.errors import bad_request
+from formwork.gateway.schema_embed import defs_prefix, embed_schema
 from formwork.schemas.openai import (ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall,
                             FunctionCall, FunctionDefinition, NamedToolChoice, ToolCall, random_id)
 from formwork.schemas.structured import StructuredOutputsParams
@@ -72,35 +83,87 @@ def parameters_schema(fn: FunctionDefinition) -> dict:
     return fn.parameters if fn.parameters else dict(_EMPTY_PARAMS)
 
 
-def _call_schema(fn: FunctionDefinition) -> dict:
+def _call_schema(name: str, arguments: dict) -> dict:
     return {"type": "object",
-            "properties": {"name": {"const": fn.name}, "arguments": parameters_schema(fn)},
+            "properties": {"name": {"const": name}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_constraint(mode: ToolMode) -> StructuredOutputsParams | None:
-    """The output constraint of `mode`; None when the output is unconstrained."""
+def _required_schema(mode: ToolMode) -> dict:
+    """One {"name", "arguments"} call of any tool (an array of them if parallel), each
+    tool's definitions hoisted to the root so that its `$ref`s resolve there; a
+    `$schema` all tools agree on becomes the wrapper's (draft-07 `$ref` rules stay)."""
+    base = "/items/anyOf" if mode.parallel else "/anyOf"
+    params = [parameters_schema(fn) for fn in mode.tools]
+    dialects = {json.dumps(p.get("$schema")) for p in params if isinstance(p, dict)}
+    dialect = json.loads(dialects.pop()) if len(dialects) == 1 else None
+    if not isinstance(dialect, str) or re.search(r"draft-0[34]/", dialect):
+        dialect = None             # no `const` before draft-06: left where it was
+    if dialect is not None:
+        params = [{k: v for k, v in p.items() if k != "$schema"} for p in params]
+    branches, hoisted = [], {}
+    for i, (fn, p) in enumerate(zip(mode.tools, params)):
+        args = embed_schema(p, f"{base}/{i}/properties/arguments", defs_prefix(fn.name, i),
+                            hoisted)
+        branches.append(_call_schema(fn.name, args))
+    one = {"anyOf": branches}
+    schema = {"type": "array", "items": one, "minItems": 1} if mode.parallel else one
+    if dialect is not None:
+        schema = {"$schema": dialect} | schema
+    return schema | hoisted
+
+
+def tool_constraint(mode: ToolMode,
+                    answer: StructuredOutputsParams | None = None) -> StructuredOutputsParams | None:
+    """The output constraint of `mode`; None when the output is unconstrained.
+    `answer` (the response_format's constraint) is the alternative to tool calls in
+    "auto" mode, and applies alone in "none" mode."""
     if mode.kind == "named":
         fn = next(t for t in mode.tools if t.name == mode.name)
         return StructuredOutputsParams(json=parameters_schema(fn))
     if mode.kind == "required":
-        one = {"anyOf": [_call_schema(t) for t in mode.tools]}
-        schema = {"type": "array", "items": one, "minItems": 1} if mode.parallel else one
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=_required_schema(mode))
     if mode.kind == "auto" and mode.tools:
+        if answer is not None:
+            return StructuredOutputsParams(structural_tag=_answer_or_calls_tag(mode, answer))
         return StructuredOutputsParams(structural_tag=_auto_tag(mode))
-    return None
+    return answer
+
+
+def _call_tags(mode: ToolMode) -> list[dict]:
+    return [{"type": "tag", "begin": f'{TOOL_CALL_OPEN}\n{{"name": "{t.name}", "arguments": ',
+             "content": {"type": "json_schema", "json_schema": parameters_schema(t)},
+             "end": f"}}\n{TOOL_CALL_CLOSE}"} for t in mode.tools]
 
 
 def _auto_tag(mode: ToolMode) -> dict:
     """xgrammar structural tag: free text, each `<tool_call>` forced into a valid call;
     stop_after_first ends the output after one call when calls are not parallel."""
-    tags = [{"type": "tag", "begin": f'{TOOL_CALL_OPEN}\n{{"name": "{t.name}", "arguments": ',
-             "content": {"type": "json_schema", "json_schema": parameters_schema(t)},
-             "end": f"}}\n{TOOL_CALL_CLOSE}"} for t in mode.tools]
     return {"type": "structural_tag",
-            "format": {"type": "triggered_tags", "triggers": [TOOL_CALL_OPEN], "tags": tags,
-                       "at_least_one": False, "stop_after_first": not mode.parallel}}
+            "format": {"type": "triggered_tags", "triggers": [TOOL_CALL_OPEN],
+                       "tags": _call_tags(mode), "at_least_one": False,
+                       "stop_after_first": not mode.parallel}}
+
+
+def _answer_or_calls_tag(mode: ToolMode, answer: StructuredOutputsParams) -> dict:
+    """xgrammar structural tag: the answer's JSON, or one or more tool calls (one per
+    line; only one without parallel calls) and nothing else."""
+    schema = {"type": "object"} if answer.kind() == "json_object" else answer.spec()
+    schema = {} if schema is True else schema
+    calls = {"type": "tags_with_separator", "tags": _call_tags(mode), "separator": "\n",
+             "at_least_one": True, "stop_after_first": not mode.parallel}
+    return {"type": "structural_tag",
+            "format": {"type": "or", "elements": [
+                {"type": "json_schema", "json_schema": schema}, calls]}}
+
+
+def tag_answer(tag: dict) -> dict | bool | None:
+    """The answer's JSON schema inside an `_answer_or_calls_tag`; None for any other tag."""
+    fmt = tag.get("format") if isinstance(tag, dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") != "or":
+        return None
+    first = (fmt.get("elements") or [{}])[0]
+    return first.get("json_schema") if first.get("type") == "json_schema" else None
 
 
 def _compact(value) -> str:

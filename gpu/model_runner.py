@@ -16,7 +16,7 @@ import torch
 
 from formwork.gpu.attention import AttentionMetadata
 from formwork.gpu.cuda_graph import DecodeGraphRunner
-from formwork.gpu.sampler import Sampler, SamplingBatch, score_prompt
+from formwork.gpu.sampler import Sampler, SamplingBatch, logit_bias_tensors, score_prompt
 from formwork.schemas.sampling import SamplingParams
 from formwork.schemas.scheduler import ModelRunnerOutput, SchedulerOutput
 
@@ -218,4 +218,6 @@ class ModelRunner:
             max_num_logprobs=max((n for n in nlp if n is not None), default=None),
             num_logprobs=nlp,
             banned=banned or None,
+            logit_bias=(logit_bias_tensors([p.logit_bias for p in ps], dev)
+                        if any(p.logit_bias for p in ps) else None),
         )

@@ -40,7 +40,7 @@ from formwork.grammar.schema_check import (
 from formwork.grammar.schema_normalize import map_subschemas, normalize
 from formwork.grammar.schema_oneof import pairwise_disjoint
 from formwork.grammar.schema_rewrites import close_declared
-from formwork.grammar.schema_walk import validator_class
+from formwork.grammar.schema_walk import iter_nodes, validator_class
 from formwork.grammar.structural_tag import triggered_tags
 from formwork.grammar.vocab import TokenVocab
 from formwork.schemas.structured import StructuredOutputsParams
@@ -58,10 +58,14 @@ _SOUND = {"lenient": False, "coerce_one_of": False}
 LIMITS = dict(step_lexer_fuel=2_000_000, initial_lexer_fuel=10_000_000)
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
 _FORMAT = re.compile(r"Unknown format: (\S+)")
+_MISSING_REF = re.compile(r"Pointer '([^']*)' does not exist")
 
 
 def json_options(params: StructuredOutputsParams) -> dict[str, Any]:
-    """Whitespace: none at all, or at most `max_whitespace` characters per run."""
+    """Whitespace: the request's pattern (checked: JSON whitespace only), none at all,
+    or at most `max_whitespace` characters per run."""
+    if params.whitespace_pattern is not None:
+        return {"whitespace_flexible": True, "whitespace_pattern": f"(?:{params.whitespace_pattern})"}
     if params.whitespace == "compact" or params.max_whitespace == 0:
         return {"whitespace_flexible": False}
     return {"whitespace_flexible": True,
@@ -76,6 +80,12 @@ def _grammar_error(grammar: str) -> str:
 
 def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
     """llguidance's refusal as keyword + JSON path (the first node holding it)."""
+    if m := _MISSING_REF.search(message):
+        ref = "#" + m.group(1)
+        path = next((n.path for n in iter_nodes(schema) if n.schema.get("$ref") == ref), "$")
+        return UnsupportedSchemaError([SchemaIssue(
+            "$ref", path, f"cannot resolve {ref!r}: nothing at that JSON pointer from the "
+                          "schema's root")], "llguidance")
     if m := _UNIMPLEMENTED.search(message):
         keywords = json.loads(f"[{m.group(1)}]") or ["?"]
     elif m := _FORMAT.search(message):

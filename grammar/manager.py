@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from formwork.grammar.backend import CompiledGrammar, GrammarBackend, Matcher, allocate_bitmask
+from formwork.grammar.budget import Budget, ClosingSearch
 from formwork.grammar.jump_forward import forced_tokens
 from formwork.grammar.llguidance_backend import LLGuidanceBackend
 from formwork.grammar.outlines_backend import OutlinesBackend
@@ -37,6 +38,7 @@ class _RequestGrammar:
     error: str = ""
     matcher: Matcher | None = None
     backend: GrammarBackend | None = None
+    budget: Budget | None = None  # None: not budget-aware
 
 
 @dataclass(slots=True)
@@ -49,6 +51,7 @@ class _Stats:
     fill_calls: int = 0
     fill_seconds: float = 0.0
     jump_forward_tokens: int = 0
+    budget_steered_steps: int = 0
     by_backend: dict[str, int] = field(default_factory=dict)
 
 
@@ -66,7 +69,8 @@ def build_backend(name: str, vocab: TokenVocab, tokenizer, *, num_threads: int =
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, *, default_backend: str = "auto",
                  num_threads: int = 2, compile_timeout_s: float = 30.0,
-                 enable_jump_forward: bool = True, cache_size: int = 256):
+                 enable_jump_forward: bool = True, cache_size: int = 256,
+                 budget_aware: bool = True):
         self._tokenizer = tokenizer
         self.vocab = TokenVocab.from_tokenizer(tokenizer, vocab_size)
         self.vocab_size = vocab_size
@@ -87,19 +91,26 @@ class StructuredOutputManager:
         self._stats = _Stats()
         self._requests: dict[str, _RequestGrammar] = {}
         self._bitmask = allocate_bitmask(8, vocab_size)   # [rows, words], grown on demand
+        self._budget_aware = budget_aware     # default for JSON-schema requests
+        self._closing = ClosingSearch(self.vocab, vocab_size, self.vocab.eos_token_id, tokenizer)
 
     # --- compilation ---------------------------------------------------------------
     def validate(self, params: StructuredOutputsParams) -> None:
         """Synchronous check (ValueError with a how-to-fix message); compiles nothing."""
         choose_backend(params, self._default_backend)
 
-    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
-        """Start compiling `params` for `request_id`; never blocks on compilation."""
+    def submit(self, request_id: str, params: StructuredOutputsParams,
+               budget: int | None = None) -> None:
+        """Start compiling `params` for `request_id`; never blocks on compilation.
+        `budget`: the most tokens the request may generate (max_tokens, context room);
+        with budget-aware decoding on, its output is closed before they run out."""
         assert request_id not in self._requests, f"duplicate request id {request_id!r}"
         entry = _RequestGrammar(future=None, submitted_at=time.monotonic())
         self._requests[request_id] = entry
         try:
             key = params.cache_key()
+            if budget is not None and self._budget_on(params):
+                entry.budget = Budget(budget)
         except ValueError as err:
             entry.status, entry.error = "failed", str(err)
             return
@@ -120,6 +131,22 @@ class StructuredOutputManager:
         if is_new:   # outside the lock: a finished future runs the callback right here
             future.add_done_callback(lambda f, key=key: self._on_compiled(key, f))
         entry.future = future
+
+    def _budget_on(self, params: StructuredOutputsParams) -> bool:
+        """Per request `budget_aware`, else the server's default for JSON schemas."""
+        if params.budget_aware is not None:
+            return params.budget_aware
+        return self._budget_aware and params.kind() == "json"
+
+    def budget_closed(self, request_id: str) -> bool:
+        """Whether budget-aware decoding narrowed this request's output to close it
+        (its end was then forced by max_tokens: the finish reason says "length")."""
+        entry = self._requests.get(request_id)
+        return entry is not None and entry.budget is not None and entry.budget.closed_early
+
+    def _spend(self, request_id: str, token_ids: list[int], sign: int = 1) -> None:
+        if (budget := self._requests[request_id].budget) is not None:
+            budget.spend(token_ids, sign)
 
     def _backend(self, name: str) -> GrammarBackend:
         with self._backend_lock:
@@ -198,6 +225,7 @@ class StructuredOutputManager:
         if the matcher failed (a backend resource limit): error() then says why."""
         matcher = self._matcher(request_id)
         if matcher.accept_tokens(token_ids):
+            self._spend(request_id, list(token_ids))
             return True
         if reason := getattr(matcher, "error", ""):
             self._requests[request_id].error = f"grammar matcher failed: {reason.splitlines()[0]}"
@@ -208,12 +236,14 @@ class StructuredOutputManager:
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         self._matcher(request_id).rollback(num_tokens)
+        self._spend(request_id, [0] * num_tokens, -1)
 
     def jump_forward_tokens(self, request_id: str) -> list[int]:
         """Tokens of the forced continuation, already accepted; [] if none/disabled."""
         if not self._jump_forward:
             return []
         tokens = forced_tokens(self._matcher(request_id), self._tokenizer, self.vocab)
+        self._spend(request_id, tokens)
         self._stats.jump_forward_tokens += len(tokens)
         return tokens
 
@@ -238,9 +268,19 @@ class StructuredOutputManager:
             group[2].append(row)
         for backend, matchers, rows in groups.values():
             backend.fill_bitmasks(matchers, out, rows)
+        self._steer_to_budget(request_ids, out)
         self._stats.fill_calls += 1
         self._stats.fill_seconds += time.perf_counter() - start
         return out if groups else None
+
+    def _steer_to_budget(self, request_ids: list[str], out: torch.Tensor) -> None:
+        """Budget-aware rows near their end: narrowed to a short path that completes
+        the output (grammar/budget.py)."""
+        for row, rid in enumerate(request_ids):
+            entry = self._requests.get(rid)
+            if entry is not None and entry.budget is not None and \
+                    self._closing.steer(entry.budget, self._matcher(rid), out, row):
+                self._stats.budget_steered_steps += 1
 
     def stats(self) -> dict:
         with self._lock:
@@ -249,6 +289,7 @@ class StructuredOutputManager:
                     "cache_hits": s.cache_hits, "inflight_shared": s.inflight_shared,
                     "compile_seconds": s.compile_seconds, "fill_calls": s.fill_calls,
                     "fill_seconds": s.fill_seconds, "jump_forward_tokens": s.jump_forward_tokens,
+                    "budget_steered_steps": s.budget_steered_steps,
                     "by_backend": dict(s.by_backend), "cache_size": len(self._cache)}
 
     def shutdown(self) -> None:

@@ -36,6 +36,8 @@ REGEX_BUILD_TIMEOUT_S = 10.0
 
 
 def whitespace_pattern(params: StructuredOutputsParams) -> str:
+    if params.whitespace_pattern is not None:      # checked: JSON whitespace only
+        return f"(?:{params.whitespace_pattern})"
     if params.whitespace == "compact" or params.max_whitespace == 0:
         return ""
     return f"[ \\t\\n\\r]{{0,{params.max_whitespace}}}"

@@ -100,8 +100,12 @@ def ref_issues(node: dict, root: Any) -> Issues:
     ref = node.get("$ref")
     if ref is None:
         return []
-    if not isinstance(ref, str) or resolve_local_ref(root, ref) is None:
-        return [("$ref", f"cannot resolve {ref!r} (only '#' and '#/json/pointer' refs)")]
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return [("$ref", f"cannot resolve {ref!r}: only refs within the schema are supported "
+                         "('#' or a JSON pointer such as '#/$defs/Name')")]
+    if resolve_local_ref(root, ref) is None:
+        return [("$ref", f"cannot resolve {ref!r}: nothing at that JSON pointer from the "
+                         "schema's root")]
     if not is_legacy_draft(root) and _siblings(node, "$ref"):
         return [("$ref", f"keywords next to $ref are ignored: {_siblings(node, '$ref')}")]
     return []

@@ -82,6 +82,9 @@ def _convert(kind: str, fn, schema: Any = None) -> xgr.Grammar:
 def to_xgrammar(params: StructuredOutputsParams) -> xgr.Grammar:
     """Check `params` and convert it to an xgrammar Grammar (no tokenizer needed)."""
     kind, spec = params.kind(), params.spec()
+    if params.whitespace_pattern is not None:
+        raise ValueError("structured_outputs.whitespace_pattern is served by backends "
+                         "'llguidance' and 'outlines' only (xgrammar takes no whitespace regex)")
     if params.additional_properties == "schema" and kind in ("json", "structural_tag"):
         raise ValueError("structured_outputs.additional_properties='schema' is served by "
                          "backend 'llguidance' only (xgrammar never generates undeclared properties)")

@@ -31,6 +31,7 @@ class EngineConfig:
     grammar_compile_threads: int = 2
     grammar_compile_timeout_s: float = 30.0
     enable_jump_forward: bool = True
+    budget_aware: bool = True            # JSON schemas closed before max_tokens (grammar/budget.py)
     num_threads: int | None = None       # torch intra-op threads; None -> torch default
     adaptive_threads: bool = True        # CPU: fewer threads while other processes take cores
     # returned logprobs (vLLM's logprobs_mode): the model's own ("raw_logprobs"), or

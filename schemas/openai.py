@@ -12,7 +12,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from formwork.schemas.sampling import MAX_N
+
+# Deeper request bodies are refused before any validation: no real request comes
+# near it (a JSON schema nested 60 levels is still < 128), and recursive walkers
+# after parsing (validation, schema compilers) would hit Python's recursion limit.
+MAX_BODY_DEPTH = 128
 
 
 def random_id(prefix: str) -> str:
@@ -28,19 +35,29 @@ class FieldValueError(ValueError):
         self.param = param
 
 
-def _refuse_lone_surrogates(value: Any, path: str = "") -> None:
-    """JSON's "\\ud800" decodes to a str no tokenizer or encoder takes."""
+class InvalidBodyError(ValueError):
+    """The body as a whole cannot be taken (not a field's value): 400 invalid_json."""
+
+
+def _check_body(value: Any, path: str = "", depth: int = 0) -> None:
+    """Refuses a body nested deeper than MAX_BODY_DEPTH and strings with a lone
+    surrogate (JSON's "\\ud800" decodes to a str no tokenizer or encoder takes)."""
     if isinstance(value, str):
         if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
             raise FieldValueError(path or "body",
                                   "contains a lone UTF-16 surrogate (not valid Unicode text)")
-    elif isinstance(value, dict):
+        return
+    if isinstance(value, (dict, list)) and depth >= MAX_BODY_DEPTH:
+        field = path.split(".")[0].split("[")[0]
+        raise InvalidBodyError(f"the body is nested more than {MAX_BODY_DEPTH} levels deep "
+                               f"(in `{field}`)")
+    if isinstance(value, dict):
         for k, v in value.items():
-            _refuse_lone_surrogates(k, path)
-            _refuse_lone_surrogates(v, f"{path}.{k}" if path else str(k))
+            _check_body(k, path, depth + 1)
+            _check_body(v, f"{path}.{k}" if path else str(k), depth + 1)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _refuse_lone_surrogates(v, f"{path}[{i}]")
+            _check_body(v, f"{path}[{i}]", depth + 1)
 
 
 class _Request(BaseModel):
@@ -50,7 +67,7 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _text_is_unicode(cls, data: Any) -> Any:
-        _refuse_lone_surrogates(data)
+        _check_body(data)
         return data
 
 
@@ -110,17 +127,20 @@ class ToolCall(_Response):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """`role: "function"` and an assistant's `function_call` are OpenAI's legacy
+    spellings of a tool result and a tool call (rendered as those)."""
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: FunctionCall | None = None
 
 
 class _SamplingFields(_Request):
     """Fields shared by chat and completions requests."""
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, json_schema_extra={"minimum": 1, "maximum": MAX_N})
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -143,6 +163,9 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
     user: str | None = None
 
@@ -159,13 +182,24 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+# What the server takes as a prompt (gateway/serving_completion.py refuses the
+# rest with a 400): text or token ids, never empty, token ids not negative.
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+    _TOKEN_IDS,
+    {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]}
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra=_PROMPT_SCHEMA)
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    # at least n (not expressible in JSON Schema: checked by the server)
+    best_of: int | None = Field(default=None, json_schema_extra={"minimum": 1, "maximum": MAX_N})
 
 
 # ---- responses ------------------------------------------------------------------
@@ -196,7 +230,14 @@ class ResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[ToolCall] = []
+    tool_calls: list[ToolCall] | None = None     # absent from the JSON when no tool was called
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_tool_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class PromptLogprob(_Response):
@@ -209,12 +250,20 @@ class PromptLogprob(_Response):
 PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
 
 
+class OutputCheck(_Response):
+    """formwork's extension field of a constrained choice (gateway/output_check.py):
+    valid true / false (error says why) / null (the constraint was not re-checked)."""
+    valid: bool | None
+    error: str | None = None
+
+
 class ChatChoice(_Response):
     index: int
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    formwork: OutputCheck | None = None        # left out of the JSON when None
 
 
 class ChatCompletionResponse(_Response):
@@ -251,6 +300,7 @@ class ChatStreamChoice(_Response):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    formwork: OutputCheck | None = None        # on the finish chunk of a constrained choice
 
 
 class ChatCompletionChunk(_Response):
@@ -277,6 +327,7 @@ class CompletionChoice(_Response):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsField = None
+    formwork: OutputCheck | None = None        # left out of the JSON when None
 
 
 class CompletionResponse(_Response):

@@ -11,14 +11,17 @@ _GREEDY_EPS = 1e-5
 MAX_N = 128                  # completions per request: fan-out stays bounded (OpenAI: 128)
 MAX_SEED = 2**63 - 1         # seeds travel as int64; seed + i for the i-th of n
 MAX_TOKEN_ID = 2**31         # any id past it is no vocabulary's (the engine checks its own)
+MAX_LOGIT_BIAS = 100.0       # OpenAI: biases in [-100, 100]; -100 bans the token
 
 
 def check_token_ids(params: "SamplingParams", vocab_size: int) -> None:
     """ValueError naming the parameter for a token id outside the vocabulary
     (an id reaching a tensor index would fail the whole batch's step)."""
-    bad = next((t for t in params.stop_token_ids or () if t >= vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"stop_token_ids: token id {bad} outside the vocabulary [0, {vocab_size})")
+    for name, ids in (("stop_token_ids", params.stop_token_ids or ()),
+                      ("logit_bias", params.logit_bias or ())):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad} outside the vocabulary [0, {vocab_size})")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -30,7 +33,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     position beside the prompt token's own (as vLLM). With it, max_tokens may be 0:
     the prompt is scored and nothing is generated.
     stop: strings that end generation (checked on the detokenized text, excluded
-    from the output unless include_stop_str_in_output).
+    from the output unless include_stop_str_in_output; under a structured-output
+    constraint too, as vLLM: `stop_reason` then names the string).
+    logit_bias: OpenAI's {token id: bias in [-100, 100]}, added to the logits
+    before the grammar mask and sampling; -100 bans the token.
     """
 
     n: int = 1
@@ -51,6 +57,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -103,6 +110,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.stop_token_ids is not None and \
                 any(not 0 <= t < MAX_TOKEN_ID for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID})")
+        if self.logit_bias is not None:
+            for t, v in self.logit_bias.items():
+                if not 0 <= t < MAX_TOKEN_ID:
+                    bad("logit_bias", f"keys must be token ids in [0, {MAX_TOKEN_ID}), got {t}")
+                if not (math.isfinite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS):
+                    bad("logit_bias", f"biases must be in [-100, 100], got {v} for token {t}")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 import msgspec
@@ -24,6 +25,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     or xgrammar's structural-tag format dict.
     whitespace:     "compact" (no optional whitespace in JSON) or "flexible"
                     (at most `max_whitespace` whitespace chars in a run).
+    whitespace_pattern: vLLM's: a regex for the whitespace between JSON tokens
+                    (replaces `whitespace`); it may only match JSON whitespace
+                    (space, \t, \n, \r). llguidance and outlines take it;
+                    xgrammar refuses it.
     backend:        "auto" (per kind, the first backend that enforces the
                     constraint exactly: grammar/selection.py), "llguidance"
                     (alias "guidance"), "xgrammar" or "outlines".
@@ -32,6 +37,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     the declared ones, as OpenAI strict mode and vLLM's default
                     do) or "schema" (generate whatever the schema allows,
                     undeclared properties included; llguidance only).
+    budget_aware:   close the output before max_tokens (or the context) cuts it:
+                    in its last tokens the mask is narrowed to a short path that
+                    completes it (grammar/budget.py); finish_reason stays "length".
+                    None (default): the server's default, on for JSON schemas
+                    (`--no-budget-aware` turns it off). Not part of the grammar.
     """
 
     json: dict | str | None = None
@@ -42,11 +52,13 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     structural_tag: dict | str | None = None
     whitespace: Literal["compact", "flexible"] = "flexible"
     max_whitespace: int = 2
+    whitespace_pattern: str | None = None
     backend: str = "auto"
     additional_properties: Literal["declared", "schema"] = "declared"
+    budget_aware: bool | None = None
 
     def kind(self) -> str:
-        set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        set_kinds = [k for k in KINDS if is_set(k, getattr(self, k))]
         if len(set_kinds) != 1:
             raise ValueError(
                 "structured_outputs: exactly one of "
@@ -75,6 +87,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError("structured_outputs.additional_properties: must be 'declared' or 'schema'")
         if not 0 <= self.max_whitespace <= 64:
             raise ValueError("structured_outputs.max_whitespace: must be in [0, 64]")
+        if self.whitespace_pattern is not None:
+            if kind not in ("json", "json_object", "structural_tag"):
+                raise ValueError("structured_outputs.whitespace_pattern: applies to JSON "
+                                 f"constraints only, not to {kind}")
+            check_whitespace_pattern(self.whitespace_pattern)
         value = self.spec()
         if kind == "choice":
             if not value or not all(isinstance(c, str) and c for c in value):
@@ -83,6 +100,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"structured_outputs.{kind}: must be a non-empty string")
         if kind == "json" and not isinstance(value, (dict, bool)):
             raise ValueError("structured_outputs.json: a JSON Schema must be an object")
+        if kind == "json" and value is False:
+            raise ValueError(f"structured_outputs.json: {FALSE_SCHEMA}")
 
     def cache_key(self) -> str:
         """Canonical text of the spec: equal constraints share a compiled grammar."""
@@ -90,5 +109,59 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         value = self.spec()
         return json.dumps(
             [kind, value, self.whitespace, self.max_whitespace, self.backend,
-             self.additional_properties],
+             self.additional_properties, self.whitespace_pattern],
             sort_keys=True, separators=(",", ":"))
+
+
+# What a whitespace pattern may be made of: JSON's four whitespace characters
+# (literal or escaped), groups, alternation, classes of those characters (no
+# ranges, no negation), quantifiers after an atom. Anything else could admit a
+# character that is not JSON (inside a class even `|` or `*` is a literal).
+_WS_CHAR = re.compile(r"[ \t\n\r]|\\[ ntr]|\\x(?:20|09|0[aAdD])|\\u00(?:20|09|0[aAdD])")
+_WS_META = re.compile(r"\(\?:|[(|*+?]")
+_WS_COUNT = re.compile(r"\{\d+(?:,\d*)?\}")
+
+
+FALSE_SCHEMA = ("the schema `false` accepts no value, so no output can satisfy it; "
+                "pass an object schema ({} for any JSON value)")
+
+
+def is_set(kind: str, value: Any) -> bool:
+    """Whether a constraint field holds a constraint: `json_object: false` is vLLM's
+    "not set", but `json: false` is a JSON Schema (one that accepts nothing)."""
+    return value is not None and (value is not False or kind == "json")
+
+
+def check_whitespace_pattern(pattern: str) -> None:
+    """ValueError unless `pattern` is a regex that matches JSON whitespace only."""
+    pos, in_class, class_len, after_atom = 0, False, 0, False
+    while pos < len(pattern):
+        if m := _WS_CHAR.match(pattern, pos):
+            pos, class_len, after_atom = m.end(), class_len + 1, not in_class
+            continue
+        c = pattern[pos]
+        if in_class and c == "]" and class_len:
+            pos, in_class, after_atom = pos + 1, False, True
+            continue
+        if not in_class:
+            if c == "[":
+                pos, in_class, class_len = pos + 1, True, 0
+                continue
+            if c == ")":
+                pos, after_atom = pos + 1, True
+                continue
+            if m := _WS_META.match(pattern, pos):
+                pos, after_atom = m.end(), False
+                continue
+            if after_atom and (m := _WS_COUNT.match(pattern, pos)):
+                pos, after_atom = m.end(), False
+                continue
+        raise ValueError(
+            f"structured_outputs.whitespace_pattern: {pattern!r} may match more than JSON "
+            f"whitespace (at {pattern[pos:pos + 8]!r}); use only space, \\t, \\n, \\r "
+            "(or \\x20, \\x09, \\x0a, \\x0d), classes of them, groups, | and "
+            "quantifiers, e.g. '[ \\n]{0,4}'")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"structured_outputs.whitespace_pattern: not a valid regex: {e}") from None

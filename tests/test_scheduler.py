@@ -116,10 +116,13 @@ class FakeSOM:
         self.forced: dict[str, list[list[int]]] = {}
         self.reject: set[int] = set()
         self.removed: list[str] = []
+        self.budgets: dict[str, int | None] = {}
+        self.closed: set[str] = set()       # ids budget-aware decoding closed
 
-    def submit(self, request_id, params):
+    def submit(self, request_id, params, budget=None):
         self.state[request_id] = "pending"
         self.accepted[request_id] = []
+        self.budgets[request_id] = budget
 
     def status(self, request_id):
         return self.state[request_id]
@@ -135,6 +138,9 @@ class FakeSOM:
 
     def is_terminated(self, request_id):
         return bool(self.accepted[request_id]) and self.accepted[request_id][-1] == self.TERM
+
+    def budget_closed(self, request_id):
+        return request_id in self.closed
 
     def jump_forward_tokens(self, request_id):
         queue = self.forced.get(request_id)
@@ -485,6 +491,22 @@ def test_grammar_terminated_stops_and_rejection_errors():
         ([11, 9], FinishReason.ERROR, "grammar rejected token")
 
 
+def test_budget_closed_output_finishes_with_length():
+    """A grammar end that budget-aware decoding steered to is max_tokens' doing:
+    "length", not "stop". The manager is told each request's token budget."""
+    som = FakeSOM()
+    script = {"t": [11, FakeSOM.TERM], "c": [11, FakeSOM.TERM]}
+    runner = FakeRunner(script=lambda rid, i, seq: script[rid][i])
+    sched, res = make_sched(som=som, max_model_len=128), {}
+    sched.add_request(req("t", range(5), structured=True, max_tokens=6))
+    sched.add_request(req("c", range(120), structured=True, max_tokens=20))
+    som.state.update(t="ready", c="ready")
+    som.closed.add("c")
+    run_all(sched, runner, res)
+    assert som.budgets == {"t": 6, "c": 8}           # max_tokens, or the context's room
+    assert (res["t"].finish, res["c"].finish) == (FinishReason.STOP, FinishReason.LENGTH)
+
+
 def test_jump_forward_appended_and_scheduled():
     som = FakeSOM()
     sched, runner, res = make_sched(som=som), FakeRunner(), {}
@@ -586,3 +608,38 @@ def test_scheduler_check_invariants_can_fail():
     sched.running[0].num_computed_tokens = 99
     with pytest.raises(AssertionError, match="computed 99"):
         sched.check_invariants()
+
+
+def test_sub_plans_after_a_failed_attempt_reproduce_the_reference():
+    """A failed step's attempt wrote K/V slots and runner state but committed nothing;
+    sub-plans of it (EngineCore's culprit search) recompute the same positions: the
+    others' outputs are the reference, with prefix hits and chunked prefill, and the
+    culprit alone fails."""
+    sched, runner, res = make_sched(budget=40), FakeRunner(), {}
+    sched.add_request(req("a", range(10), max_tokens=6))
+    sched.add_request(req("b", range(50, 59), max_tokens=6))
+    step(sched, runner, res)
+    step(sched, runner, res)
+    sched.add_request(req("c", list(range(10)) + [99, 98, 97], max_tokens=6))   # prefix hit on a
+    sched.add_request(req("d", range(200, 240), max_tokens=3))                   # chunked
+    plan = sched.schedule()
+    assert set(plan.num_scheduled_tokens) == {"a", "b", "c", "d"}
+    runner.execute(plan)                            # the failed attempt: nothing committed
+    sched.check_invariants()
+    for group in (["a", "c"], ["d"]):
+        sub = sched.sub_plan(plan, group)
+        assert [r.req_id for r in sub.new_reqs] == group and not sub.cached_reqs
+        assert sub.finished_req_ids == set(group)
+        assert all(r.block_ids == sched.kv.get_block_ids(r.req_id) for r in sub.new_reqs)
+        for o in sched.update_from_output(sub, runner.execute(sub)):
+            res.setdefault(o.request_id, Collected()).tokens += o.new_token_ids
+        sched.check_invariants()
+    outs = sched.fail_step(sched.sub_plan(plan, ["b"]), "bad")
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("b", FinishReason.ERROR)]
+    sched.check_invariants()
+    res = run_all(sched, runner, res)
+    assert res["a"].tokens == reference(range(10), 6)
+    assert res["c"].tokens == reference(list(range(10)) + [99, 98, 97], 6)
+    assert res["c"].cached > 0
+    assert res["d"].tokens == reference(range(200, 240), 3)
+    sched.check_invariants()

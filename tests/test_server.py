@@ -449,8 +449,15 @@ ERROR_CASES = [  # (body, status, param, code, words that must appear in the mes
      400, "tool_choice", None, ["nope"]),
     (_chat(model="gpt-4o"), 404, "model", "model_not_found", ["gpt-4o"]),
     # values that reached a tensor or an int64 unchecked (issue 13: 500s or a whole batch failed)
-    (_chat(stop_token_ids=[1000000], min_tokens=2), 400, "stop_token_ids", "engine_request_error",
-     ["1000000"]),
+    (_chat(stop_token_ids=[1000000], min_tokens=2), 400, "stop_token_ids", None,
+     ["1000000"]),                                 # refused before queueing (issue 14)
+    # issue 14: fields once ignored are refused naming the field
+    (_chat(logit_bias={"1000000": 5}), 400, "logit_bias", None, ["1000000", "vocabulary"]),
+    (_chat(temperature=2.5), 400, "temperature", None, ["[0, 2]"]),
+    (_chat(structured_outputs={"choice": ["a", "b"]}, min_tokens=5, max_tokens=8), 400, "min_tokens", None,
+     ["choice"]),
+    (_chat(structured_outputs={"json": {}, "bogus_option": 1}), 400,
+     "structured_outputs.bogus_option", None, ["unknown"]),
     (_chat(stop_token_ids=[2**70]), 400, "stop_token_ids", None, ["token ids"]),
     (_chat(seed=2**63), 400, "seed", None, ["2^63"]),
     (_chat(seed=2**63 - 2, n=4), 400, "seed", None, ["2^63"]),
@@ -591,6 +598,61 @@ def test_metrics_counters_move(server, client, model):
     assert after["formwork_kv_cache_total_blocks"] > 0
     assert after["formwork_grammar_compiles_total"] >= 1      # earlier tests compiled grammars
     assert after["formwork_engine_steps_total"] > before["formwork_engine_steps_total"]
+
+
+FOUR = {"type": "object", "properties": {k: {"type": "string"} for k in "abcd"},
+        "required": list("abcd"), "additionalProperties": False}
+WRITE = [{"role": "user", "content": "Write a long story as JSON fields a, b, c, d."}]
+
+
+def test_constrained_outputs_say_whether_they_validate(server):
+    """The `formwork` extension field: valid true for a complete output, false (why)
+    for one max_tokens cut (budget-aware decoding off), on the last stream chunk
+    too; counted in formwork_constrained_outputs_total; vLLM's metric names."""
+    label = 'model_name="SmolLM2-135M-Instruct"'
+
+    def total(m, result):
+        return m.get(f'formwork_constrained_outputs_total{{{label},result="{result}"}}', 0)
+
+    before = metrics(server)
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": FOUR}}
+    cut = _post(server, _chat(messages=WRITE, max_tokens=12, response_format=rf,
+                              structured_outputs={"budget_aware": False})).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["formwork"]["valid"] is False
+    assert cut["formwork"]["error"].startswith("cut by max_tokens")
+    closed = _post(server, _chat(messages=WRITE, max_tokens=24, response_format=rf)).json()
+    assert closed["choices"][0]["formwork"] == {"valid": True, "error": None}
+    jsonschema.validate(json.loads(closed["choices"][0]["message"]["content"]), FOUR)
+    plain = _post(server, _chat()).json()["choices"][0]
+    assert "formwork" not in plain
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json=_chat(max_tokens=40, stream=True,
+                                 structured_outputs={"choice": ["Paris", "Lyon"]})) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    finals = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [f.get("formwork") for f in finals] == [{"valid": True, "error": None}]
+    assert all("formwork" not in c["choices"][0] for c in chunks[:-1] if c["choices"]
+               and not c["choices"][0]["finish_reason"])
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
+            "max_tokens": 8, "structured_outputs": {"choice": [" Paris", " Lyon"]}}
+    done = _post(server, body, path="/v1/completions").json()["choices"][0]
+    assert done["formwork"] == {"valid": True, "error": None}
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}, json=body | {"stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c["choices"][0].get("formwork") for c in chunks] == \
+        [None] * (len(chunks) - 1) + [{"valid": True, "error": None}]
+    after = metrics(server)
+    assert total(after, "valid") == total(before, "valid") + 4
+    assert total(after, "invalid") == total(before, "invalid") + 1
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+        assert f"{name}{{{label}}}" in after, name
+    assert after[f'vllm:request_success_total{{finished_reason="length",{label}}}'] >= 2
 
 
 def test_64_concurrent_constrained_requests(server, model):

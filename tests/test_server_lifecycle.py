@@ -1,25 +1,35 @@
 """Server process lifecycle on a tiny random-weight model: engine death -> 503,
-an engine that outlives a killed server exits on its own, and a SIGTERM to the
-whole process group does not hang the shutdown."""
+an engine that outlives a killed server exits on its own, a SIGTERM to the
+whole process group does not hang the shutdown, a SIGTERM drains the requests
+in flight, too many waiting requests get 429, and a server whose engine cannot
+be restarted exits non-zero."""
 from __future__ import annotations
 
+import glob
+import json
 import os
+import shutil
 import signal
+import tempfile
+import threading
 import time
 
 import httpx
 import psutil
 import pytest
 
-from test_server import KEY, Server, gone
+from formwork.core.ipc import IPC_PREFIX
+from formwork.gateway.api_server import FATAL_EXIT_CODE
+from test_server import KEY, Server, gone, metrics
 
 pytestmark = pytest.mark.slow
 
 
-def _tiny_server(tiny_model_dir, **kw) -> Server:
+def _tiny_server(tiny_model_dir, *args: str, **kw) -> Server:
+    """`args` come last: they override the defaults here."""
     return Server(str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "64",
                   "--max-model-len", "256", "--max-num-seqs", "4",
-                  "--served-model-name", "tiny", **kw)
+                  "--served-model-name", "tiny", *args, **kw)
 
 
 def _engine_pid(server: Server) -> int:
@@ -68,7 +78,7 @@ def test_engine_death_gives_503_then_the_engine_comes_back(tiny_model_dir):
         assert httpx.get(f"{server.url}/v1/models", headers=auth).status_code == 200
     finally:
         rc = server.stop(signal.SIGTERM)
-    assert rc in (0, -signal.SIGTERM), server.logs()
+    assert rc == 0, server.logs()                     # SIGTERM drains, then exits 0
     assert "Application shutdown complete" in server.logs()
 
 
@@ -89,5 +99,163 @@ def test_sigterm_to_the_process_group_exits_cleanly(tiny_model_dir):
     except Exception:
         server.stop(signal.SIGKILL)
         raise AssertionError(f"server hung after a process-group SIGTERM:\n{server.logs()}")
-    assert rc in (0, -signal.SIGTERM), server.logs()
+    assert rc == 0, server.logs()
     assert gone(engine, timeout_s=15)
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# ~1 s of decoding each on two CPU cores; n=4 ~4 s (--max-num-seqs 1: one after another)
+LONG = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 450,
+        "ignore_eos": True}
+ONE_AT_A_TIME = ("--max-num-seqs", "1", "--max-model-len", "512", "--num-kv-blocks", "128")
+
+
+def _chat(server: Server, body: dict, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH,
+                      timeout=timeout)
+
+
+class _Stream:
+    """A streamed chat request whose first event has been read; close() leaves."""
+
+    def __init__(self, server: Server, body: dict) -> None:
+        self.client = httpx.Client(timeout=120)
+        self.response = self.client.send(self.client.build_request(
+            "POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True},
+            headers=AUTH), stream=True)
+        assert self.response.status_code == 200, self.response.read()
+        self.lines = self.response.iter_lines()
+        assert next(self.lines).startswith("data: ")
+
+    def rest(self) -> list[str]:
+        """The remaining events' data, to the end of the stream."""
+        return [x[len("data: "):] for x in self.lines if x]
+
+    def close(self) -> None:
+        self.response.close()
+        self.client.close()
+
+
+def _ipc_dirs(pid: int) -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"{IPC_PREFIX}{pid}-*"))
+
+
+def _until(predicate, timeout_s: float = 30, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_too_many_waiting_requests_get_429_and_every_place_comes_back(tiny_model_dir):
+    """--max-num-seqs 1 --max-waiting-requests 1: two requests in flight, the third gets
+    429 with Retry-After at once; a client that leaves and refused requests give
+    their place back."""
+    server = _tiny_server(tiny_model_dir, *ONE_AT_A_TIME, "--max-waiting-requests", "1")
+    try:
+        endless = {**LONG, "n": 64}            # ~1 min: ends only when its client leaves
+        for _ in range(2):                 # the second round finds every place free again
+            a, b = _Stream(server, endless), _Stream(server, endless)
+            r = _chat(server, {**LONG, "max_tokens": 1})
+            assert r.status_code == 429 and r.headers["Retry-After"].isdigit(), r.text
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["code"] == "too_many_waiting_requests" and err["type"] == "rate_limit_error"
+            assert _chat(server, {**LONG, "temperature": -1}).status_code == 429
+            a.close()                          # the client goes away: its place comes back
+            _until(lambda: _chat(server, {**LONG, "temperature": -1}).status_code == 400,
+                   what="a disconnected stream kept its place")
+            for _ in range(3):                     # refused requests do not keep one
+                assert _chat(server, {**LONG, "temperature": -1}).status_code == 400
+            b.close()
+            _until(lambda: metrics(server).get("formwork_num_requests_running", 1) == 0,
+                   what="the engine kept running an aborted request")
+    finally:
+        assert server.stop(signal.SIGTERM) == 0, server.logs()
+
+
+def _in_flight_then_sigterm(server: Server):
+    """A streamed (n=4) and a plain long request in flight, the plain one waiting behind
+    the streamed one; then SIGTERM. Returns (the stream, the plain one's thread, its
+    result {"r": response} once the thread ends)."""
+    stream = _Stream(server, {**LONG, "n": 4})
+    plain: dict = {}
+    thread = threading.Thread(target=lambda: plain.update(r=_chat(server, LONG, timeout=120)))
+    thread.start()
+    _until(lambda: metrics(server).get("formwork_num_requests_waiting") == 1,
+           what="the plain request never reached the engine")
+    server.proc.send_signal(signal.SIGTERM)
+    return stream, thread, plain
+
+
+def _exited_cleanly(server: Server, engine: int, ipc: list[str]) -> None:
+    assert server.proc.wait(60) == 0, server.logs()
+    assert "Application shutdown complete" in server.logs()
+    assert gone(engine, timeout_s=15)
+    assert len(ipc) == 1 and not os.path.exists(ipc[0])
+
+
+def test_sigterm_drains_requests_in_flight_then_exits_0(tiny_model_dir):
+    """SIGTERM with a long drain timeout: new requests get 503 (and /health says
+    "draining") while the two in flight run to their end; then exit 0, the engine
+    and its IPC folder gone."""
+    server = _tiny_server(tiny_model_dir, *ONE_AT_A_TIME, "--drain-timeout", "120")
+    try:
+        engine, ipc = _engine_pid(server), _ipc_dirs(server.proc.pid)
+        stream, thread, plain = _in_flight_then_sigterm(server)
+        _until(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 503)
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "draining"
+        refused = _chat(server, {**LONG, "max_tokens": 1})
+        assert refused.status_code == 503 and refused.headers["Retry-After"].isdigit()
+        assert refused.json()["error"]["code"] == "server_shutting_down"
+        assert thread.is_alive(), "the requests in flight ended before the refusal was checked"
+        events = stream.rest()
+        stream.close()
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+        finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"]]
+        assert finishes[-1] == "length"
+        thread.join(120)
+        assert plain["r"].status_code == 200, plain["r"].text
+        assert plain["r"].json()["usage"]["completion_tokens"] == LONG["max_tokens"]
+        _exited_cleanly(server, engine, ipc)
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_sigterm_ends_what_outlives_the_drain_timeout_with_errors(tiny_model_dir):
+    """--drain-timeout 0: the streamed request ends with an error event and [DONE], the
+    plain one with a 503 error JSON; then exit 0, the engine and its IPC folder gone."""
+    server = _tiny_server(tiny_model_dir, *ONE_AT_A_TIME, "--drain-timeout", "0")
+    try:
+        engine, ipc = _engine_pid(server), _ipc_dirs(server.proc.pid)
+        stream, thread, plain = _in_flight_then_sigterm(server)
+        events = stream.rest()
+        stream.close()
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == "server_shutting_down" and "drain timeout" in error["message"]
+        thread.join(60)
+        assert plain["r"].status_code == 503, plain["r"].text
+        assert plain["r"].json()["error"]["code"] == "server_shutting_down"
+        _exited_cleanly(server, engine, ipc)
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_exits_non_zero_when_the_engine_cannot_be_restarted(tiny_model_dir, tmp_path):
+    """The engine dies and its model is gone: after the restart limit (5 failed
+    restarts, backoff 1+2+4+8+16 s) the server exits with FATAL_EXIT_CODE, so that
+    an outside supervisor takes over."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    server = _tiny_server(model)
+    try:
+        shutil.rmtree(model)                 # every restart now fails to load the model
+        os.kill(_engine_pid(server), signal.SIGKILL)
+        _until(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 503)
+        rc = server.proc.wait(240)
+        assert rc == FATAL_EXIT_CODE != 0, server.logs()
+        assert "cannot be restarted" in server.logs()
+    finally:
+        server.stop(signal.SIGKILL)

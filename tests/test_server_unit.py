@@ -337,3 +337,94 @@ def test_whole_body_errors_are_invalid_json(error_client, content, headers, deta
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "invalid_json" and err["param"] is None
     assert detail in err["message"]
+
+
+# ---- issue 13, point 10: the published OpenAPI document and the server agree -------------
+
+@pytest.fixture(scope="module")
+def app_client(tokenizer):
+    """The real app's routes, middleware and handlers; no engine (its lifespan does not run)."""
+    from formwork.gateway.api_server import build_app
+    from formwork.gateway.metrics import Metrics
+    from formwork.gateway.serving import ServerState
+    from formwork.schemas.config import EngineConfig
+
+    app = build_app(EngineConfig(), served_model_names=["m"])
+    app.state.server = ServerState(engine=None, tokenizer=tokenizer, served_model_names=("m",),
+                                   max_model_len=1024, metrics=Metrics("m"))
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def _body_error(r, status: int = 400) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_openapi_says_400_not_422(app_client):
+    spec = app_client.get("/openapi.json").json()
+    assert "422" not in json.dumps(spec["paths"])
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+    for path, method in (("/v1/chat/completions", "post"), ("/v1/completions", "post"),
+                         ("/detokenize", "post")):
+        responses = spec["paths"][path][method]["responses"]
+        assert responses["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}
+    error = spec["components"]["schemas"]["ErrorResponse"]
+    assert error["properties"]["error"] == {"$ref": "#/components/schemas/ErrorInfo"}
+    assert _body_error(app_client.post("/v1/completions", json={}))["param"] == "prompt"
+
+
+def test_405_says_allow(app_client):
+    r = app_client.post("/v1/models")
+    assert _body_error(r, 405) and r.headers["Allow"] == "GET"
+    assert app_client.get("/v1/chat/completions").headers["Allow"] == "POST"
+
+
+@pytest.mark.parametrize("body,refused", [
+    ({}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"),
+    ({"prompt": [""]}, "prompt"), ({"prompt": [[]]}, "prompt"), ({"prompt": [-1]}, "prompt"),
+    ({"prompt": "x", "best_of": 0}, "best_of"), ({"prompt": "x", "best_of": 129}, "best_of"),
+    ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "n": 129}, "n"),
+    ({"prompt": "x"}, None), ({"prompt": [1, 2]}, None), ({"prompt": "x", "best_of": 2}, None),
+])
+def test_completion_schema_declares_what_the_server_refuses(app_client, body, refused):
+    """Each body the server refuses with a 400 naming a field (empty prompts, best_of 0)
+    the published schema refuses too; the others it accepts."""
+    spec = app_client.get("/openapi.json").json()
+    schema = {"$ref": "#/components/schemas/CompletionRequest", "components": spec["components"]}
+    assert jsonschema.Draft202012Validator(schema).is_valid(body) == (refused is None)
+    if refused is not None:
+        assert _body_error(app_client.post("/v1/completions", json=body))["param"] == refused
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": False}}, "structured_outputs.json"),
+])
+def test_false_schema_is_a_clear_400(app_client, extra, param):
+    err = _body_error(app_client.post("/v1/chat/completions",
+                                      json={"messages": MSGS, **extra}))
+    assert err["param"] == param and "schema `false` accepts no value" in err["message"]
+    assert "exactly one of" not in err["message"]
+
+
+def _nested(depth: int, open_: str = "[", close: str = "]") -> bytes:
+    return ('{"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"json": '
+            + open_ * depth + "1" + close * depth + "}}").encode()
+
+
+@pytest.mark.parametrize("content,words", [
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not valid UTF-8 (byte 0xe9"),
+    (_nested(500), "nested more than 128 levels"),
+    (_nested(500, '{"a": ', "}"), "nested more than 128 levels"),
+    (_nested(100_000), "nested too deeply"),
+])
+def test_unreadable_bodies_are_invalid_json_naming_the_problem(app_client, content, words):
+    r = app_client.post("/v1/chat/completions", content=content,
+                        headers={"content-type": "application/json"})
+    err = _body_error(r)
+    assert err["code"] == "invalid_json" and err["param"] is None
+    assert words in err["message"] and "error parsing the body" not in err["message"]

@@ -1,0 +1,234 @@
+"""POST /v1/responses (OpenAI's Responses API) on the chat-completions path.
+
+The request becomes a chat request (gateway/responses_input.py), `prepare_chat`
+validates it and builds the prompt, SamplingParams and output constraint as for
+/v1/chat/completions; the output is shaped as a `response` object: a `message`
+item (one output_text part) and/or `function_call` items. A response cut by
+max_output_tokens is "incomplete" (incomplete_details.reason "max_output_tokens").
+Streaming sends OpenAI's typed events (`event: <type>` + data with `type` and
+`sequence_number`), ending with response.completed (response.incomplete when cut).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from formwork.gateway.errors import APIError
+from formwork.gateway.metrics import RequestTimer
+from formwork.gateway.output_processor import RequestOutput
+from formwork.gateway.responses_input import (chat_request, check_supported, input_messages,
+                                              responses_error)
+from formwork.gateway.responses_store import ResponseStore, StoredResponse
+from formwork.gateway.serving import (ServerState, blame, generate_final, run_until_disconnect,
+                                      stream_outputs)
+from formwork.gateway.serving_chat import PreparedChat, prepare_chat
+from formwork.gateway.tools import ToolStreamParser, parse_tool_output
+from formwork.schemas.openai import ToolCall
+from formwork.schemas.responses import (FunctionCallItem, IncompleteDetails, OutputItem,
+                                        OutputMessage, OutputText, ResponseObject, ResponsesRequest,
+                                        ResponseUsage)
+
+
+def _base(req: ResponsesRequest, model: str) -> ResponseObject:
+    """The response object before any output: the request's options echoed."""
+    return ResponseObject(
+        model=model, instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+        parallel_tool_calls=req.parallel_tool_calls,
+        previous_response_id=req.previous_response_id, store=req.store,
+        temperature=req.temperature, top_p=req.top_p,
+        text=req.text if req.text and req.text.get("format") else {"format": {"type": "text"}},
+        tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
+        tools=req.tools or [], user=req.user, metadata=req.metadata or {})
+
+
+def _usage(prompt_len: int, ro: RequestOutput) -> ResponseUsage:
+    out = sum(len(c.token_ids) for c in ro.outputs)
+    return ResponseUsage(input_tokens=prompt_len, output_tokens=out, total_tokens=prompt_len + out,
+                         input_tokens_details={"cached_tokens": ro.num_cached_tokens})
+
+
+def _finish(resp: ResponseObject, items: list[OutputItem], finish_reason: str | None,
+            usage: ResponseUsage) -> ResponseObject:
+    cut = finish_reason == "length"
+    return resp.model_copy(update={
+        "output": items, "usage": usage, "status": "incomplete" if cut else "completed",
+        "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None})
+
+
+def output_items(content: str | None, calls: list[ToolCall], cut: bool) -> list[OutputItem]:
+    """A message item for the text (also an empty one when nothing else came), then one
+    function_call item per call; when `cut`, the last item is "incomplete" (as streamed)."""
+    items: list[OutputItem] = []
+    if content or not calls:
+        items.append(OutputMessage(content=[OutputText(text=content or "")]))
+    items += [FunctionCallItem(call_id=c.id, name=c.function.name, arguments=c.function.arguments)
+              for c in calls]
+    if cut:
+        items[-1].status = "incomplete"
+    return items
+
+
+def assistant_message(items: list[OutputItem]) -> dict:
+    """The output as one chat message, for the stored conversation."""
+    text = "".join(p.text for i in items if isinstance(i, OutputMessage) for p in i.content)
+    calls = [{"id": i.call_id, "type": "function",
+              "function": {"name": i.name, "arguments": i.arguments}}
+             for i in items if isinstance(i, FunctionCallItem)]
+    return {"role": "assistant", "content": text or None} | ({"tool_calls": calls} if calls else {})
+
+
+def _save(store: ResponseStore, req: ResponsesRequest, conversation: list[dict],
+          resp: ResponseObject) -> None:
+    if req.store:
+        store.put(resp.id, StoredResponse(resp.model_dump(mode="json"),
+                                          conversation + [assistant_message(resp.output)]))
+
+
+async def create_response(state: ServerState, store: ResponseStore, req: ResponsesRequest,
+                          raw: Request):
+    check_supported(req)
+    history = (store.get(req.previous_response_id).conversation
+               if req.previous_response_id is not None else [])
+    conversation = history + input_messages(req.input)
+    try:
+        prep = await prepare_chat(state, chat_request(req, conversation))
+    except APIError as e:
+        raise responses_error(e) from None
+    base, timer = _base(req, prep.model), RequestTimer()
+    if req.stream:
+        events = _stream(state, store, req, prep, conversation, base, timer)
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:
+        final = await run_until_disconnect(generate_final(
+            state, base.id, prep.prompt, prep.prompt_ids, prep.params, timer), raw)
+    except APIError as e:
+        raise responses_error(blame(e, prep.source)) from None
+    c = final.outputs[0]
+    content, calls = parse_tool_output(prep.mode, c.text)
+    items = output_items(content, calls, c.finish_reason == "length")
+    resp = _finish(base, items, c.finish_reason, _usage(len(prep.prompt_ids), final))
+    _save(store, req, conversation, resp)
+    return JSONResponse(resp.model_dump(mode="json"))
+
+
+class EventWriter:
+    """The typed SSE events of one streamed response; owns its output items, so the
+    final response holds exactly the items (and ids) the events announced."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.items: list[OutputItem] = []
+        self.open: OutputItem | None = None
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def _added(self, item: OutputItem) -> list[str]:
+        self.items.append(item)
+        self.open = item
+        shown = item.model_dump(mode="json") | {"status": "in_progress"}
+        if isinstance(item, OutputMessage):
+            shown["content"] = []
+        out = [self.event("response.output_item.added", output_index=len(self.items) - 1,
+                          item=shown)]
+        if isinstance(item, OutputMessage):
+            out.append(self.event("response.content_part.added", **self._where(),
+                                  part=OutputText().model_dump(mode="json")))
+        return out
+
+    def _where(self) -> dict:
+        return {"item_id": self.open.id, "output_index": len(self.items) - 1, "content_index": 0}
+
+    def text(self, delta: str) -> list[str]:
+        out = [] if isinstance(self.open, OutputMessage) else self.close("completed")
+        if not isinstance(self.open, OutputMessage):
+            out += self._added(OutputMessage(content=[OutputText()]))
+        self.open.content[0].text += delta
+        return out + [self.event("response.output_text.delta", **self._where(), delta=delta,
+                                 logprobs=[])]
+
+    def call(self, call_id: str, name: str) -> list[str]:
+        return self.close("completed") + self._added(FunctionCallItem(call_id=call_id, name=name))
+
+    def arguments(self, delta: str) -> list[str]:
+        assert isinstance(self.open, FunctionCallItem)
+        self.open.arguments += delta
+        where = {k: v for k, v in self._where().items() if k != "content_index"}
+        return [self.event("response.function_call_arguments.delta", **where, delta=delta)]
+
+    def close(self, status: str) -> list[str]:
+        """Ends the open item (if any) with `status`."""
+        item, out = self.open, []
+        if item is None:
+            return out
+        item.status = status
+        if isinstance(item, OutputMessage):
+            part = item.content[0]
+            out.append(self.event("response.output_text.done", **self._where(), text=part.text,
+                                  logprobs=[]))
+            out.append(self.event("response.content_part.done", **self._where(),
+                                  part=part.model_dump(mode="json")))
+        else:
+            where = {k: v for k, v in self._where().items() if k != "content_index"}
+            out.append(self.event("response.function_call_arguments.done", **where,
+                                  arguments=item.arguments))
+        out.append(self.event("response.output_item.done", output_index=len(self.items) - 1,
+                              item=item.model_dump(mode="json")))
+        self.open = None
+        return out
+
+    def ensure_output(self) -> list[str]:
+        """An empty message item when nothing was generated (as the non-streamed output)."""
+        return [] if self.items else self._added(OutputMessage(content=[OutputText()]))
+
+    def feed(self, content: str | None, calls) -> list[str]:
+        """One parsed delta (ToolStreamParser's content and DeltaToolCalls) as events."""
+        out = self.text(content) if content else []
+        for d in calls:
+            if d.id is not None:
+                out += self.call(d.id, d.function.name)
+            if d.function is not None and d.function.arguments:
+                out += self.arguments(d.function.arguments)
+        return out
+
+
+async def _stream(state: ServerState, store: ResponseStore, req: ResponsesRequest,
+                  prep: PreparedChat, conversation: list[dict], base: ResponseObject,
+                  timer: RequestTimer) -> AsyncIterator[str]:
+    w = EventWriter()
+    shown = base.model_dump(mode="json")
+    yield w.event("response.created", response=shown)
+    yield w.event("response.in_progress", response=shown)
+    parser, last = ToolStreamParser(prep.mode), None
+    try:
+        async with contextlib.aclosing(stream_outputs(
+                state, base.id, prep.prompt, prep.prompt_ids, prep.params, timer)) as outs:
+            async for ro in outs:
+                last, c = ro, ro.outputs[0]
+                for e in w.feed(*parser.feed(c.delta_text)):
+                    yield e
+                if c.finish_reason is not None:
+                    for e in w.feed(*parser.finish()):
+                        yield e
+    except APIError as e:
+        err = responses_error(blame(e, prep.source))
+        yield w.event("error", code=err.code, message=err.message, param=err.param,
+                      error={"message": err.message, "type": err.type, "param": err.param,
+                             "code": err.code})
+        return
+    assert last is not None and last.finished
+    reason = last.outputs[0].finish_reason
+    for e in w.ensure_output():
+        yield e
+    for e in w.close("incomplete" if reason == "length" else "completed"):
+        yield e
+    resp = _finish(base, w.items, reason, _usage(len(prep.prompt_ids), last))
+    _save(store, req, conversation, resp)
+    done = "response.incomplete" if resp.status == "incomplete" else "response.completed"
+    yield w.event(done, response=resp.model_dump(mode="json"))

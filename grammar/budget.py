@@ -1,0 +1,165 @@
+"""Budget-aware constrained decoding: close the output before max_tokens cuts it.
+
+When a constrained request has few tokens left (max_tokens or context room), a
+bounded depth-first search over the matcher finds a short token path to a
+state where the output may end (the document is complete). It expands only
+"closing" tokens (`"}`, `"`, `}`, `]`, `0`, `""`, ...) and, where none is
+allowed, single-byte tokens, at most MAX_BRANCH per state, each followed by the
+text the grammar then forces (a key name), tokenized as jump-forward does;
+biggest closing steps first; a token that leads back to its state's mask
+(string content) is not followed, so the search moves towards the end instead
+of writing. The path is short, not always the shortest.
+The manager narrows the bitmask row to the path's next token once the path
+needs (nearly) all the tokens left. Every token of the path is one the matcher
+accepted, so the output stays inside the grammar: budget-awareness never makes
+an output invalid, it only turns cut ones into complete ones. Not a guarantee:
+a search that finds no path within NODE_LIMIT, or free tokens that lengthen the
+path past the slack, leave the request cut as before ("length", re-validation
+says valid=false).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from formwork.grammar.backend import Matcher, set_only_tokens
+from formwork.grammar.jump_forward import forced_tokens
+from formwork.grammar.vocab import TokenVocab
+
+# Closing texts, best first: they end strings, objects and arrays, or are the
+# shortest values ("0", '""', "null") of their type; "{" / "[" open a required one.
+CLOSERS = ('""}', '""', '"}', '"]', '","', '":""', '"', '",', '":', '}', ']', '0', 'null',
+           'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}')
+# A second order (string content before empty strings): which is shorter depends
+# on the tokenizer's merges, so both are searched and the shorter path is kept.
+CLOSERS_ALT = ('"}', '"]', '","', '":""', '""}', '""', '"', '",', '":', '}', ']', '0', 'null',
+               'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}')
+MAX_BRANCH = 6           # candidates expanded per state, in CLOSERS order
+NODE_LIMIT = 96          # states evaluated per search (bounds the cost of one step)
+SLACK = 2                # tokens of budget kept for what the next free token may add
+WINDOW = 32              # closing paths are searched in a request's last WINDOW tokens
+SEARCH_EVERY = 4         # ... at least every SEARCH_EVERY tokens
+
+
+@dataclass(slots=True)
+class Budget:
+    """One request's budget-aware state (owned by the StructuredOutputManager)."""
+    left: int                           # tokens it may still append
+    closing: list[int] | None = None    # a closing path from the current state, if known
+    closing_len: int = 0                # length of the last path found (0: none)
+    searched_at: int | None = None      # `left` at the last search
+    closed_early: bool = False          # a bitmask row was narrowed to close it
+
+    def spend(self, token_ids: list[int], sign: int = 1) -> None:
+        """Accepted (sign 1) or rolled-back (-1) tokens; the closing path stays known
+        while the tokens follow it."""
+        self.left -= sign * len(token_ids)
+        path = self.closing
+        follows = sign > 0 and path is not None and path[:len(token_ids)] == list(token_ids)
+        self.closing = path[len(token_ids):] if follows else None
+
+    def search_due(self) -> bool:
+        """Search now: first time in the window, every SEARCH_EVERY tokens (free tokens
+        may lengthen the path), and each step once the last path nearly fills it."""
+        return (self.searched_at is None or self.searched_at - self.left >= SEARCH_EVERY
+                or 0 < self.closing_len and self.left <= self.closing_len + SLACK + SEARCH_EVERY)
+
+
+class ClosingSearch:
+    """Finds short accepting paths for matchers of one vocabulary (engine thread)."""
+
+    def __init__(self, vocab: TokenVocab, vocab_size: int, eos_token_id: int | None,
+                 tokenizer):
+        self._vocab, self._tokenizer = vocab, tokenizer   # forced text, tokenized as jump-forward
+        by_bytes: dict[bytes, int] = {}
+        for tid, b in enumerate(vocab.token_bytes[:vocab_size]):
+            if b is not None and b not in by_bytes:
+                by_bytes[b] = tid
+        self.orders = [[by_bytes[c.encode()] for c in order if c.encode() in by_bytes]
+                       for order in (CLOSERS, CLOSERS_ALT)]
+        singles = sorted((b, t) for b, t in by_bytes.items() if len(b) == 1)
+        # whitespace last: it is never what completes an output soonest
+        self.single = [t for b, t in singles if not b.isspace()] + \
+            [t for b, t in singles if b.isspace()]
+        self.eos = eos_token_id
+        self._row = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
+
+    def can_end(self, matcher: Matcher) -> bool:
+        """Whether the output may end here (the eos token is accepted); state unchanged."""
+        if matcher.is_terminated():
+            return True
+        if self.eos is None or not matcher.accept_tokens([self.eos]):
+            return False
+        matcher.rollback(1)
+        return True
+
+    def _mask(self, matcher: Matcher) -> tuple[bytes, list[int]]:
+        """(the mask's bytes, its words as ints) of `matcher`'s state."""
+        matcher.fill_bitmask(self._row, 0)
+        words = self._row[0].numpy()
+        return words.tobytes(), words.tolist()
+
+    def _candidates(self, words: list[int], closers: list[int]) -> list[int]:
+        def allowed(ids):
+            return [t for t in ids if (words[t >> 5] >> (t & 31)) & 1]
+        return (allowed(closers) or allowed(self.single))[:MAX_BRANCH]
+
+    def path(self, matcher: Matcher, limit: int) -> list[int] | None:
+        """Tokens (at most `limit`) that lead `matcher` to a state where the output may
+        end; None if none is found. The shorter of the searches in each closer order.
+        The matcher's state is unchanged."""
+        if self.can_end(matcher):
+            return []
+        found = [p for order in self.orders
+                 if (p := self._search(matcher, limit, order)) is not None]
+        return min(found, key=len) if found else None
+
+    def _search(self, matcher: Matcher, limit: int, closers: list[int]) -> list[int] | None:
+        """Depth-first, closers in the given order, at most NODE_LIMIT evaluated
+        states; a token that leads back to its state's mask (string content) is not
+        followed."""
+        evaluated = 0
+
+        def dfs(sig: bytes, words: list[int], depth: int) -> list[int] | None:
+            nonlocal evaluated
+            for tid in self._candidates(words, closers):
+                if evaluated >= NODE_LIMIT:
+                    return None
+                if not matcher.accept_tokens([tid]):
+                    continue
+                evaluated += 1
+                step, rest = [tid], None
+                try:
+                    if not self.can_end(matcher):   # then what the grammar forces (a key)
+                        step += forced_tokens(matcher, self._tokenizer, self._vocab)
+                    if len(step) <= depth and self.can_end(matcher):
+                        return step
+                    if len(step) < depth:
+                        child_sig, child_words = self._mask(matcher)
+                        if child_sig != sig:
+                            rest = dfs(child_sig, child_words, depth - len(step))
+                finally:
+                    matcher.rollback(len(step))
+                if rest is not None:
+                    return step + rest
+            return None
+
+        return dfs(*self._mask(matcher), limit) if limit > 0 else None
+
+    def steer(self, budget: Budget, matcher: Matcher, bitmask: torch.Tensor, row: int) -> bool:
+        """Narrow `bitmask[row]` to the closing path's next token once the path needs
+        (nearly) all the tokens left; True if it did. Searches when due."""
+        if budget.left > WINDOW:
+            return False
+        if budget.closing is None and budget.search_due():
+            budget.closing = self.path(matcher, budget.left)
+            budget.closing_len = len(budget.closing) if budget.closing else 0
+            budget.searched_at = budget.left
+        if not budget.closing or len(budget.closing) + SLACK < budget.left:
+            return False
+        set_only_tokens(bitmask, row, [budget.closing[0]])
+        budget.closed_early = True
+        return True
+
+

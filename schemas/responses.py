@@ -1,0 +1,113 @@
+"""Pydantic models of OpenAI's Responses API (POST /v1/responses), wire format only.
+
+Input items stay plain dicts (gateway/responses_input.py checks them and names
+the offending `input[i]...` field); the response side mirrors the openai SDK's
+`openai.types.responses` objects that formwork produces: `message` items with
+`output_text` parts and `function_call` items. Mapping lives in the gateway.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import Field
+
+from formwork.schemas.openai import _Request, _Response, random_id
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    text: dict[str, Any] | None = None              # {"format": {...}}
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # OpenAI fields formwork refuses when set (a 400 naming them, never ignored)
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    include: list[str] | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+
+# request field -> the value that means "not used"
+UNSUPPORTED_FIELDS = {"reasoning": None, "background": (None, False), "conversation": None,
+                      "prompt": None, "include": (None, []), "max_tool_calls": None,
+                      "top_logprobs": (None, 0), "truncation": (None, "disabled")}
+
+
+class OutputText(_Response):
+    type: Literal["output_text"] = "output_text"
+    text: str = ""
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class OutputMessage(_Response):
+    id: str = Field(default_factory=lambda: random_id("msg_"))
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    content: list[OutputText] = []
+
+
+class FunctionCallItem(_Response):
+    id: str = Field(default_factory=lambda: random_id("fc_"))
+    type: Literal["function_call"] = "function_call"
+    call_id: str = Field(default_factory=lambda: random_id("call_"))
+    name: str
+    arguments: str = ""
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = OutputMessage | FunctionCallItem
+
+
+class ResponseUsage(_Response):
+    input_tokens: int = 0
+    input_tokens_details: dict[str, int] = {"cached_tokens": 0}
+    output_tokens: int = 0
+    output_tokens_details: dict[str, int] = {"reasoning_tokens": 0}
+    total_tokens: int = 0
+
+
+class IncompleteDetails(_Response):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseObject(_Response):
+    id: str = Field(default_factory=lambda: random_id("resp_"))
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: Literal["completed", "incomplete", "in_progress", "failed"] = "in_progress"
+    error: dict[str, Any] | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[OutputItem] = []
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool = True
+    temperature: float | None = None
+    text: dict[str, Any] = {"format": {"type": "text"}}
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = []
+    top_p: float | None = None
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = {}

@@ -1,0 +1,493 @@
+"""POST /v1/responses (issue 14): the Responses API on the chat-completions path.
+
+Fast unit tests of the request conversion, the store and the event writer; then
+the real openai SDK (create, parse, stream, tools, previous_response_id)
+against one real `formwork serve` on the default model (marked slow). Schemas
+are bounded so that greedy SmolLM2-135M finishes quickly.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from formwork.gateway.errors import APIError
+from formwork.gateway.responses_input import (chat_request, check_supported, input_messages,
+                                              responses_error)
+from formwork.gateway.responses_store import ResponseStore, StoredResponse
+from formwork.gateway.serving_responses import EventWriter, assistant_message, output_items
+from formwork.schemas.openai import FunctionCall, ToolCall
+from formwork.schemas.responses import ResponsesRequest
+
+slow = pytest.mark.slow
+os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")     # no export to OpenAI
+MAX_TOKENS = 120
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+        "required": ["city"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "name": "weather", "description": "Weather in a city.",
+                "parameters": CITY, "strict": True}
+
+
+class Owner(BaseModel):
+    name: str = Field(max_length=12)
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=12)
+    owner: Owner
+
+
+# ---- input items -> chat messages (no server) ---------------------------------------------
+
+def test_string_input_is_one_user_message():
+    assert input_messages("hi") == [{"role": "user", "content": "hi"}]
+
+
+def _function_call(call_id: str, name: str, arguments: str) -> dict:
+    return {"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}
+
+
+def test_items_become_chat_messages():
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "Weather "},
+                     {"type": "input_text", "text": "in Oslo?"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        _function_call("c1", "weather", '{"city":"Oslo"}'),
+        _function_call("c2", "weather", '{"city":"Rome"}'),
+        {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+        {"type": "function_call_output", "call_id": "c2",
+         "output": [{"type": "input_text", "text": "sun"}]},
+    ]
+    call = lambda i, city: {"id": i, "type": "function",  # noqa: E731
+                            "function": {"name": "weather", "arguments": f'{{"city":"{city}"}}'}}
+    assert input_messages(items) == [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [call("c1", "Oslo"),
+                                                                    call("c2", "Rome")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        {"role": "tool", "tool_call_id": "c2", "content": "sun"}]
+
+
+def test_function_call_after_a_user_message_opens_an_assistant_message():
+    msgs = input_messages([{"role": "user", "content": "x"},
+                           _function_call("c", "f", "{}")])
+    assert msgs[1]["role"] == "assistant" and msgs[1]["content"] is None
+    assert msgs[1]["tool_calls"][0]["id"] == "c"
+
+
+@pytest.mark.parametrize("items, param", [
+    ([{"type": "reasoning", "summary": []}], "input[0].type"),
+    ([{"role": "tool", "content": "x"}], "input[0].role"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+     "input[0].content[0].type"),
+    ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id"),
+    ([], "input"),
+])
+def test_bad_items_name_their_field(items, param):
+    with pytest.raises(APIError) as e:
+        input_messages(items)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_chat_request_maps_the_options():
+    req = ResponsesRequest(input="hi", instructions="Be brief.", max_output_tokens=7,
+                           temperature=0.5, top_p=0.9, parallel_tool_calls=False,
+                           tools=[WEATHER_TOOL],
+                           tool_choice={"type": "function", "name": "weather"},
+                           text={"format": {"type": "json_schema", "name": "c", "schema": CITY,
+                                            "strict": True}})
+    chat = chat_request(req, input_messages(req.input))
+    assert [m.role for m in chat.messages] == ["system", "user"]
+    assert chat.messages[0].content == "Be brief."
+    assert chat.max_completion_tokens == 7 and chat.temperature == 0.5 and chat.top_p == 0.9
+    assert chat.parallel_tool_calls is False
+    assert chat.tools[0].function.name == "weather" and chat.tools[0].function.parameters == CITY
+    assert chat.tool_choice.function.name == "weather"
+    assert chat.response_format.type == "json_schema"
+    assert chat.response_format.json_schema.json_schema == CITY
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+])
+def test_unsupported_options_are_400(fields, param):
+    with pytest.raises(APIError) as e:
+        chat_request(ResponsesRequest(input="hi", **fields), [{"role": "user", "content": "hi"}])
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("fields, param", [({"reasoning": {"effort": "low"}}, "reasoning"),
+                                           ({"background": True}, "background"),
+                                           ({"truncation": "auto"}, "truncation")])
+def test_unsupported_fields_are_400(fields, param):
+    check_supported(ResponsesRequest(input="hi", include=[], truncation="disabled",
+                                     reasoning={"effort": None}))
+    with pytest.raises(APIError) as e:
+        check_supported(ResponsesRequest(input="hi", **fields))
+    assert e.value.param == param
+
+
+def test_chat_errors_are_renamed_to_responses_fields():
+    err = responses_error(APIError(400, "response_format.json_schema.schema: bad", param=
+                                   "response_format.json_schema.schema"))
+    assert err.param == "text.format.schema" and err.message == "text.format.schema: bad"
+    assert responses_error(APIError(400, "x", param="max_completion_tokens")).param == \
+        "max_output_tokens"
+    ctx = responses_error(APIError(400, "... (9 in the messages, 5 in the completion). Please "
+                                   "reduce the length of the messages or completion.",
+                                   param="messages", code="context_length_exceeded"))
+    assert ctx.param == "input" and "the messages" not in ctx.message
+    assert ctx.code == "context_length_exceeded"
+    same = APIError(400, "temperature: too hot", param="temperature")
+    assert responses_error(same) is same
+
+
+# ---- output shaping, store, events (no server) --------------------------------------------
+
+def test_output_items_and_the_stored_assistant_message():
+    calls = [ToolCall(id="call_1", function=FunctionCall(name="weather", arguments='{"city":"a"}'))]
+    items = output_items(None, calls, cut=False)
+    assert [i.type for i in items] == ["function_call"] and items[0].call_id == "call_1"
+    assert assistant_message(items) == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "weather", "arguments": '{"city":"a"}'}}]}
+    cut = output_items("hel", [], cut=True)
+    assert cut[0].status == "incomplete" and cut[0].content[0].text == "hel"
+    assert output_items(None, [], cut=False)[0].content[0].text == ""
+
+
+def test_store_is_a_bounded_lru():
+    store = ResponseStore(capacity=2)
+    for rid in ("a", "b"):
+        store.put(rid, StoredResponse({"id": rid}, []))
+    store.get("a")                       # now the most recent: "b" goes first
+    store.put("c", StoredResponse({"id": "c"}, []))
+    assert len(store) == 2 and store.get("a") and store.get("c")
+    with pytest.raises(APIError) as e:
+        store.get("b")
+    assert e.value.status == 404 and e.value.param == "previous_response_id"
+
+
+def _events(chunks: list[str]) -> list[dict]:
+    out = []
+    for chunk in chunks:
+        head, data = chunk.strip().split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}"
+        out.append(event)
+    return out
+
+
+def test_event_writer_orders_text_then_call():
+    w = EventWriter()
+    chunks = w.text("Hel") + w.text("lo") + w.call("call_1", "weather") + w.arguments('{"c')
+    chunks += w.arguments('":1}') + w.close("completed")
+    events = _events(chunks)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done"]
+    assert events[4]["text"] == "Hello" and events[10]["arguments"] == '{"c":1}'
+    assert [i.type for i in w.items] == ["message", "function_call"]
+    assert events[7]["output_index"] == 1 and events[7]["item"]["status"] == "in_progress"
+
+
+class FakeEngine:
+    """Yields the given text pieces as RequestOutputs (then `reason`), or raises `error`."""
+
+    def __init__(self, pieces: list[str], reason: str = "stop", error: Exception | None = None):
+        self.pieces, self.reason, self.error = pieces, reason, error
+
+    async def generate(self, request_id, prompt, prompt_ids, params):
+        from formwork.gateway.output_processor import CompletionOutput, RequestOutput
+        if self.error is not None:
+            raise self.error
+        text = ""
+        for i, piece in enumerate(self.pieces):
+            text += piece
+            last = i == len(self.pieces) - 1
+            out = CompletionOutput(index=0, text=text, token_ids=list(range(i + 1)),
+                                   finish_reason=self.reason if last else None,
+                                   delta_text=piece, delta_token_ids=[i])
+            yield RequestOutput(request_id, prompt, prompt_ids, [out], finished=last)
+
+
+async def _collect(engine: FakeEngine, store: ResponseStore) -> list[dict]:
+    from formwork.gateway.metrics import Metrics, RequestTimer
+    from formwork.gateway.serving import ServerState
+    from formwork.gateway.serving_chat import PreparedChat
+    from formwork.gateway.serving_responses import _base, _stream
+    from formwork.gateway.tools import ToolMode
+    from formwork.schemas.sampling import SamplingParams
+
+    state = ServerState(engine=engine, tokenizer=None, served_model_names=("m",),
+                        max_model_len=64, metrics=Metrics("m"))
+    req = ResponsesRequest(input="hi", stream=True)
+    prep = PreparedChat("m", "p", [1, 2, 3], SamplingParams(max_tokens=3), ToolMode("none", ()),
+                        None)
+    conversation = input_messages(req.input)
+    return _events([e async for e in _stream(state, store, req, prep, conversation,
+                                              _base(req, "m"), RequestTimer())])
+
+
+def test_stream_cut_by_max_output_tokens_ends_incomplete():
+    import asyncio
+    store = ResponseStore()
+    events = asyncio.run(_collect(FakeEngine(["He", "l", "lo"], reason="length"), store))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]
+    assert final["type"] == "response.incomplete"
+    resp = final["response"]
+    assert resp["status"] == "incomplete" and resp["incomplete_details"] == {
+        "reason": "max_output_tokens"}
+    assert resp["output"][0]["content"][0]["text"] == "Hello"
+    assert resp["output"][0]["status"] == "incomplete"
+    assert resp["usage"] == {"input_tokens": 3, "output_tokens": 3, "total_tokens": 6,
+                             "input_tokens_details": {"cached_tokens": 0},
+                             "output_tokens_details": {"reasoning_tokens": 0}}
+    stored = store.get(resp["id"])
+    assert stored.conversation[-1] == {"role": "assistant", "content": "Hello"}
+
+
+def test_stream_engine_error_is_an_error_event_and_nothing_is_stored():
+    import asyncio
+
+    from formwork.gateway.engine_client import EngineRequestError
+    store = ResponseStore()
+    events = asyncio.run(_collect(FakeEngine([], error=EngineRequestError("grammar failed")),
+                                  store))
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
+    assert events[-1]["message"] == "grammar failed" and events[-1]["error"]["code"] == \
+        "engine_request_error"
+    assert len(store) == 0
+
+
+# ---- HTTP errors before any engine work (no engine) ----------------------------------------
+
+@pytest.fixture()
+def app_client():
+    from fastapi.testclient import TestClient
+
+    from formwork.gateway.api_server import build_app
+    from formwork.gateway.metrics import Metrics
+    from formwork.gateway.serving import ServerState
+    from formwork.schemas.config import EngineConfig
+
+    app = build_app(EngineConfig(), served_model_names=["m"])
+    app.state.server = ServerState(engine=None, tokenizer=None, served_model_names=("m",),
+                                   max_model_len=1024, metrics=Metrics("m"))
+    return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": "hi", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
+    ({"input": "hi", "tools": [{"type": "file_search"}]}, 400, "tools[0].type"),
+    ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
+    ({"instructions": "x"}, 400, "input"),
+    ({"input": "hi", "model": "other"}, 404, "model"),
+])
+def test_http_errors_name_the_field(app_client, body, status, param):
+    r = app_client.post("/v1/responses", json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+    spec = app_client.get("/openapi.json").json()["paths"]["/v1/responses"]["post"]
+    assert "422" not in spec["responses"]
+
+
+def test_get_or_delete_unknown_response_is_404(app_client):
+    for r in (app_client.get("/v1/responses/resp_nope"),
+              app_client.delete("/v1/responses/resp_nope")):
+        assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
+
+
+# ---- the real server through the openai SDK -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def client():
+    from test_server import KEY, Server
+    s = Server("--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory-gb", "0.5")
+    yield openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _check_usage(r) -> None:
+    u = r.usage
+    assert u.input_tokens > 0 and u.output_tokens > 0
+    assert u.total_tokens == u.input_tokens + u.output_tokens
+
+
+@slow
+def test_create_plain(client, model):
+    r = client.responses.create(model=model, input="Say hello.", max_output_tokens=16,
+                                temperature=0)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == model
+    assert r.status in ("completed", "incomplete") and r.output[0].type == "message"
+    assert r.output_text == r.output[0].content[0].text and r.output_text
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 16
+    _check_usage(r)
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+@slow
+def test_parse_text_format(client, model):
+    r = client.responses.parse(model=model, input="Alice has a dog named Rex. Describe it as JSON.",
+                               text_format=Pet, max_output_tokens=MAX_TOKENS, temperature=0)
+    assert r.status == "completed"
+    pet = r.output_parsed
+    assert isinstance(pet, Pet)
+    jsonschema.validate(pet.model_dump(mode="json"), Pet.model_json_schema())
+
+
+@slow
+def test_required_tool_then_its_result(client, model):
+    r = client.responses.create(model=model, input="What is the weather in Paris?",
+                                tools=[WEATHER_TOOL], tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=MAX_TOKENS,
+                                temperature=0)
+    assert r.status == "completed"
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "weather" and calls[0].call_id
+    jsonschema.validate(json.loads(calls[0].arguments), CITY)
+    # the tool's result goes back on top of the stored response
+    r2 = client.responses.create(
+        model=model, previous_response_id=r.id, tools=[WEATHER_TOOL], tool_choice="none",
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}],
+        max_output_tokens=24, temperature=0)
+    assert r2.previous_response_id == r.id and r2.output[0].type == "message"
+    # the same conversation spelled out as items gives the same prompt
+    explicit = client.responses.create(
+        model=model, tools=[WEATHER_TOOL], tool_choice="none", max_output_tokens=24, temperature=0,
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": calls[0].call_id, "name": "weather",
+                "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    assert explicit.usage.input_tokens == r2.usage.input_tokens
+    assert explicit.output_text == r2.output_text
+
+
+@slow
+def test_stream_deltas_equal_the_final_text(client, model):
+    events = list(client.responses.create(model=model, input="Count to five.",
+                                          max_output_tokens=24, temperature=0, stream=True))
+    types = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert types[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert types[-4:-1] == ["response.output_text.done", "response.content_part.done",
+                            "response.output_item.done"]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    final = events[-1].response
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas and deltas == final.output_text == events[-4].text
+    _check_usage(final)
+
+
+@slow
+def test_stream_helper_parses_and_streams_tool_arguments(client, model):
+    with client.responses.stream(model=model, input="Alice has a dog named Rex. As JSON.",
+                                 text_format=Pet, max_output_tokens=MAX_TOKENS,
+                                 temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text and isinstance(final.output_parsed, Pet)
+    assert client.responses.retrieve(final.id).output_text == final.output_text   # stored
+    events = list(client.responses.create(
+        model=model, input="Weather in Oslo?", tools=[WEATHER_TOOL], stream=True,
+        tool_choice={"type": "function", "name": "weather"}, max_output_tokens=MAX_TOKENS,
+        temperature=0))
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert events[-1].type == "response.completed" and args == done.arguments
+    jsonschema.validate(json.loads(args), CITY)
+    assert events[-1].response.output[0].arguments == args
+
+
+@slow
+def test_previous_response_id_continues(client, model):
+    r1 = client.responses.create(model=model, input="My name is Ann.", max_output_tokens=8,
+                                 temperature=0, instructions="Answer in one short sentence.")
+    r2 = client.responses.create(model=model, input="What is my name?", previous_response_id=r1.id,
+                                 max_output_tokens=8, temperature=0)
+    assert r2.previous_response_id == r1.id and r2.output_text
+    alone = client.responses.create(model=model, input="What is my name?", max_output_tokens=1)
+    # r1's input and output are in r2's prompt
+    assert r2.usage.input_tokens > alone.usage.input_tokens + r1.usage.output_tokens
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=model, input="hi", previous_response_id="resp_nope")
+    assert e.value.param == "previous_response_id"
+    unstored = client.responses.create(model=model, input="hi", max_output_tokens=1, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=model, input="hi", previous_response_id=unstored.id)
+
+
+@slow
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+     "text.format"),
+])
+def test_unsupported_is_400(client, model, fields, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="hi", max_output_tokens=4, **fields)
+    assert e.value.param == param
+
+
+@slow
+def test_openai_agents_responses_model(client, model):
+    """openai-agents' default model speaks the Responses API: an output_type (text.format)
+    and a function tool under tool_choice required, round-tripped by the agent."""
+    import asyncio
+
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def city_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return "sunny"
+
+    llm = OpenAIResponsesModel(model=model, openai_client=openai.AsyncOpenAI(
+        base_url=str(client.base_url), api_key=client.api_key, max_retries=0, timeout=300))
+
+    def agent(**settings) -> Agent:
+        return Agent(name="pets", model=llm, tools=[city_weather], output_type=Pet,
+                     tool_use_behavior="stop_on_first_tool", model_settings=ModelSettings(
+                         temperature=0, max_tokens=MAX_TOKENS, **settings))
+
+    async def both():
+        answered = await Runner.run(agent(), "Alice has a dog named Rex. As JSON.", max_turns=2)
+        assert not calls
+        called = await Runner.run(agent(tool_choice="required"), "Weather in Paris?", max_turns=2)
+        return answered, called
+    answered, called = asyncio.run(both())
+    assert isinstance(answered.final_output, Pet)
+    assert called.final_output == "sunny" and calls and all(isinstance(c, str) for c in calls)
