@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -27,21 +26,10 @@ SMALL_SCHEMA = {"type": "object",
                                "age": {"type": "integer", "minimum": 0, "maximum": 120},
                                "city": {"enum": ["Paris", "Lagos", "Lima", "Osaka", "Oslo"]}},
                 "required": ["name", "age", "city"], "additionalProperties": False}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offline_throughput import make_workload as mixed_workload  # noqa: E402  (imports no formwork)
+
 TOPICS = ["a lighthouse", "a robot", "the ocean", "a mountain", "a city", "a forest", "a dragon", "a train"]
-
-
-def mixed_workload(tokenizer, n: int, seed: int = 0, pmin=20, pmax=600, omin=16, omax=256):
-    """The same generator as bench/offline_throughput.py (kept in step by a test)."""
-    rng = random.Random(seed)
-    vocab_text = ("The quick brown fox jumps over the lazy dog while engineers benchmark "
-                  "structured generation engines on small machines with continuous batching. ")
-    base = tokenizer(vocab_text * 80, add_special_tokens=False).input_ids
-    reqs = []
-    for _ in range(n):
-        plen = rng.randint(pmin, pmax)
-        start = rng.randint(0, len(base) - plen - 1)
-        reqs.append((base[start:start + plen], rng.randint(omin, omax)))
-    return reqs
 
 
 def story_chats(n: int):

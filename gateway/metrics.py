@@ -109,22 +109,23 @@ class _EngineCollector:
             yield c
 
 
-class _VLLMRequestMetrics:
-    """The gateway's request metrics under vLLM's names (observed with formwork's)."""
+class _RequestMetrics:
+    """The gateway's request metrics under one naming: `formwork_*`, and the same
+    values under vLLM's `vllm:*` names so that existing dashboards work."""
 
-    def __init__(self, r: CollectorRegistry) -> None:
+    def __init__(self, r: CollectorRegistry, prefix: str) -> None:
         labels = ["model_name"]
-        self._requests = Counter("vllm:request_success", "Finished requests by finish reason.",
+        self._requests = Counter(f"{prefix}request_success", "Finished requests by finish reason.",
                                  labels + ["finished_reason"], registry=r)
-        self._prompt = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels,
+        self._prompt = Counter(f"{prefix}prompt_tokens", "Prompt tokens processed.", labels,
                                registry=r)
-        self._gen = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r)
-        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+        self._gen = Counter(f"{prefix}generation_tokens", "Tokens generated.", labels, registry=r)
+        self._ttft = Histogram(f"{prefix}time_to_first_token_seconds", "Time to first token.",
                                labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self._tpot = Histogram("vllm:time_per_output_token_seconds",
+        self._tpot = Histogram(f"{prefix}time_per_output_token_seconds",
                                "Mean time per output token after the first.", labels,
                                buckets=_TPOT_BUCKETS, registry=r)
-        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+        self._e2e = Histogram(f"{prefix}e2e_request_latency_seconds", "End-to-end request latency.",
                               labels, buckets=_LATENCY_BUCKETS, registry=r)
 
 
@@ -133,30 +134,19 @@ class Metrics:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         self.model_name = model_name
-        self._requests = Counter("formwork_request_success", "Finished completions by finish reason.",
-                                 labels + ["finished_reason"], registry=r)
         self._errors = Counter("formwork_request_errors", "Requests answered with an error status.",
                                labels + ["status"], registry=r)
-        self._prompt = Counter("formwork_prompt_tokens", "Prompt tokens processed.", labels, registry=r)
-        self._gen = Counter("formwork_generation_tokens", "Tokens generated.", labels, registry=r)
-        self._ttft = Histogram("formwork_time_to_first_token_seconds", "Time to first token.",
-                               labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self._tpot = Histogram("formwork_time_per_output_token_seconds",
-                               "Mean time per output token after the first.", labels,
-                               buckets=_TPOT_BUCKETS, registry=r)
-        self._e2e = Histogram("formwork_e2e_request_latency_seconds", "End-to-end request latency.",
-                              labels, buckets=_LATENCY_BUCKETS, registry=r)
         self._constrained = Counter("formwork_constrained_outputs",
                                     "Finished constrained choices by re-validation result.",
                                     labels + ["result"], registry=r)
-        self._vllm = _VLLMRequestMetrics(r)
+        self._families = (_RequestMetrics(r, "formwork_"), _RequestMetrics(r, "vllm:"))
         self._engine = _EngineCollector(model_name)
         r.register(self._engine)
 
     def observe_finished(self, timer: RequestTimer, prompt_tokens: int,
                          finish_reasons: list[str | None]) -> None:
         now, m = time.monotonic(), self.model_name
-        for family in (self, self._vllm):
+        for family in self._families:
             for reason in finish_reasons:
                 family._requests.labels(m, reason or "unknown").inc()
             family._prompt.labels(m).inc(prompt_tokens)

@@ -152,7 +152,7 @@ def test_pydantic_ai_agent_tool_output(base_url, model):
     assert_pet(agent.run_sync(ASK).output)
 
 
-# ---- openai-agents (Chat Completions model: formwork has no Responses API) -------------
+# ---- openai-agents (Chat Completions model; its Responses model: tests/test_responses.py) --
 
 def test_openai_agents_function_tool_and_output_type(base_url, model):
     """An agent with a function tool and an output_type sends both tools and
