@@ -51,6 +51,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU bf16: call the plain linear instead of oneDNN weights packed at load")
     g.add_argument("--no-fused-elementwise", action="store_true",
                    help="CPU bf16: run norms, rotary and silu as separate torch ops, not fused C++ ones")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                   help="engine processes behind this gateway, each with its own scheduler "
+                        "and KV cache; requests routed by load and prefix affinity")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="worker processes per engine, the model sharded over torch.distributed "
+                        "(gloo on CPU, NCCL on CUDA)")
+    g.add_argument("--distributed-executor-backend", choices=("mp", "ray"),
+                   default=d.distributed_executor_backend,
+                   help="mp: local processes; ray: engines as Ray actors on a running Ray "
+                        "cluster (README 'Scaling out')")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -71,4 +81,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         adaptive_threads=not args.no_adaptive_threads, logprobs_mode=args.logprobs_mode,
         seed=args.seed, enforce_eager=args.enforce_eager,
         packed_linears=not args.no_packed_linears,
-        fused_elementwise=not args.no_fused_elementwise)
+        fused_elementwise=not args.no_fused_elementwise,
+        data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend)

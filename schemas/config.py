@@ -41,6 +41,10 @@ class EngineConfig:
     enforce_eager: bool = False          # CUDA: skip CUDA-graph capture
     packed_linears: bool = True          # CPU bf16: oneDNN weights packed once (gpu/cpu_linear.py)
     fused_elementwise: bool = True       # CPU bf16: norm/rotary/silu in C++ (kernels/cpu_fused_ops.py)
+    # scale-out (README "Scaling out"): engines behind one gateway, workers per engine
+    data_parallel_size: int = 1          # EngineCore processes, each with its own scheduler and KV cache
+    tensor_parallel_size: int = 1        # worker processes per engine, model sharded over torch.distributed
+    distributed_executor_backend: str = "mp"   # "mp": local processes; "ray": Ray actors
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,6 +56,13 @@ class EngineConfig:
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError("logprobs_mode: must be raw_logprobs or processed_logprobs, "
                              f"got {self.logprobs_mode!r}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size: must be >= 1, got {self.data_parallel_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend: must be mp or ray, "
+                             f"got {self.distributed_executor_backend!r}")
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size: must be 8, 16, 32 or 64, got {self.block_size}")
         if self.max_num_seqs < 1:
