@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -83,7 +84,9 @@ def engine_info(core) -> dict[str, Any]:
 class EngineLoop:
     """Owns the sockets; the EngineCore owns all request state."""
 
-    def __init__(self, core, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, core, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int | None) -> None:
+        """parent_pid: the gateway's pid, checked once a second (the engine exits when
+        it is gone); None for an engine whose parent is not the gateway (a Ray actor)."""
         self.core = core
         self.in_sock = in_sock
         self.out_sock = out_sock
@@ -113,7 +116,7 @@ class EngineLoop:
         if now - self._last_parent_check < PARENT_CHECK_S:
             return
         self._last_parent_check = now
-        if os.getppid() != self.parent_pid:
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
             log.warning("parent process %d is gone; engine exits", self.parent_pid)
             self.running = False
 
@@ -220,11 +223,13 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
-                    parent_pid: int, log_level: int = logging.INFO) -> None:
-    """Process entry point (multiprocessing spawn target)."""
+                    parent_pid: int | None, log_level: int = logging.INFO) -> None:
+    """Process entry point (multiprocessing spawn target; core/ray_engines.py runs it
+    inside a Ray actor with parent_pid None)."""
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent owns Ctrl-C and tells us
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent owns Ctrl-C and tells us
+        signal.signal(signal.SIGTERM, _on_sigterm)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     in_sock = ctx.socket(zmq.PULL)

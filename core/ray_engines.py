@@ -1,0 +1,165 @@
+"""EngineCore processes as Ray actors (`--distributed-executor-backend ray`).
+
+Owns: the Ray connection of the gateway process, one placement group for the
+data-parallel engines, and a process-like handle per engine actor. The engine
+inside an actor is the very loop `formwork serve` runs in a local process
+(`run_engine_core`), speaking the same ZMQ + msgspec protocol over TCP to the
+sockets the gateway bound; only the launch and the death watch differ.
+
+Placement: one bundle per engine, `{"CPU": tensor_parallel_size}` (GPUs on
+CUDA), strategy SPREAD, so engines land on distinct nodes while there are
+nodes, and each engine's tensor-parallel workers are its own local processes
+on the node of its bundle (packed by construction). The bundle of an engine is
+fixed by its index, so a restarted engine comes back where it was.
+
+Why Ray and not a home-made cluster manager: placement groups, actor death
+detection and node addressing are what Ray is for; the gateway keeps only the
+protocol.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import replace
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from formwork.core.engine_proc import run_engine_core
+from formwork.schemas.config import EngineConfig
+
+log = logging.getLogger("formwork.ray")
+
+# A Ray worker is told how many OpenMP threads to use from its CPU share; the
+# engine's own defaults (gpu/cpu_threads.engine_env_defaults) go along.
+_ENGINE_ENV = {"GOMP_SPINCOUNT": "30000"}
+
+
+def connect(address: str | None = None) -> None:
+    """Join the Ray cluster at `address` (or RAY_ADDRESS, or the one `ray start`
+    left on this machine); with none running, start a local one bound to the
+    loopback address."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    except ConnectionError:
+        if address != "auto":
+            raise
+        log.info("no Ray cluster running: starting a local one on 127.0.0.1")
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=False)
+
+
+def gateway_host() -> str:
+    """The address engines on other nodes reach this gateway at."""
+    return ray.util.get_node_ip_address()
+
+
+@ray.remote(max_restarts=0)
+class EngineActor:
+    """One EngineCore. `run` blocks the actor for the engine's life."""
+
+    def where(self) -> dict:
+        return {"node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+    def run(self, config: EngineConfig, input_addr: str, output_addr: str, log_level: int) -> int:
+        # parent_pid=None: an actor's parent is Ray's worker pool, not the gateway;
+        # the gateway ends it with ray.kill, and Ray ends it with its job.
+        run_engine_core(config, input_addr, output_addr, None, log_level)
+        return 0
+
+
+class RayEngineHandle:
+    """The `multiprocessing.Process` surface EngineClient uses (is_alive,
+    sentinel, pid, exitcode, join, terminate, kill) for an engine actor.
+
+    `sentinel` is the read end of a pipe a watcher thread writes to when the
+    actor's `run` call ends (the engine exited, crashed or was killed)."""
+
+    def __init__(self, actor, run_ref, where: dict) -> None:
+        self.actor = actor
+        self.pid: int = where["pid"]
+        self.node_id: str = where["node_id"]
+        self.node_ip: str = where["node_ip"]
+        self.exitcode: int | None = None
+        self._done = threading.Event()
+        self._r, self._w = os.pipe()
+        self.sentinel = self._r
+        threading.Thread(target=self._watch, args=(run_ref,), name="ray-engine-watch",
+                         daemon=True).start()
+
+    def _watch(self, run_ref) -> None:
+        try:
+            self.exitcode = ray.get(run_ref)
+        except Exception as e:  # noqa: BLE001 - RayActorError and kin: the engine died
+            log.warning("engine actor on node %s ended: %s", self.node_id[:8], type(e).__name__)
+            self.exitcode = 1
+        self._done.set()
+        os.write(self._w, b"x")
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
+
+    def terminate(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+    kill = terminate
+
+
+class RayEngineLauncher:
+    """Starts engine `index` of `num_engines` in its bundle; `for_engine(i)` is
+    the `launcher(config, input_addr, output_addr)` EngineClient calls (again
+    after a death)."""
+
+    def __init__(self, config: EngineConfig, num_engines: int, *, ready_timeout_s: float = 300.0) -> None:
+        connect()
+        self.config = config
+        device = "GPU" if config.device == "cuda" else "CPU"
+        bundle = {device: float(config.tensor_parallel_size)}
+        self.placement_group = placement_group([dict(bundle) for _ in range(num_engines)],
+                                               strategy="SPREAD", name=f"formwork-{os.getpid()}")
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=ready_timeout_s)
+        if not ready:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(f"the Ray cluster has no room for {num_engines} engine(s) of "
+                               f"{bundle} each (placement group not ready after "
+                               f"{ready_timeout_s:.0f} s); see `ray status`")
+        self._bundle = bundle
+        self.handles: dict[int, RayEngineHandle] = {}
+
+    def for_engine(self, index: int):
+        def launch(config: EngineConfig, input_addr: str, output_addr: str) -> RayEngineHandle:
+            return self.launch(index, config, input_addr, output_addr)
+        return launch
+
+    def launch(self, index: int, config: EngineConfig, input_addr: str, output_addr: str) -> RayEngineHandle:
+        strategy = PlacementGroupSchedulingStrategy(self.placement_group,
+                                                    placement_group_bundle_index=index)
+        env = {k: v for k, v in _ENGINE_ENV.items() if k not in os.environ}
+        actor = EngineActor.options(
+            scheduling_strategy=strategy, resources={}, num_cpus=self._bundle.get("CPU", 0),
+            num_gpus=self._bundle.get("GPU", 0), name=None,
+            runtime_env={"env_vars": env} if env else None).remote()
+        where = ray.get(actor.where.remote())
+        # one engine per actor: the engine itself is never data-parallel
+        run_ref = actor.run.remote(replace(config, data_parallel_size=1), input_addr, output_addr,
+                                   logging.getLogger().getEffectiveLevel())
+        handle = RayEngineHandle(actor, run_ref, where)
+        self.handles[index] = handle
+        log.info("engine %d: Ray actor pid %d on node %s (%s)", index, handle.pid,
+                 handle.node_id[:8], handle.node_ip)
+        return handle
+
+    def shutdown(self) -> None:
+        for h in self.handles.values():
+            if h.is_alive():
+                h.kill()
+        remove_placement_group(self.placement_group)
