@@ -8,6 +8,7 @@ touched only by the engine thread.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +29,21 @@ from formwork.grammar.xgrammar_backend import XGrammarBackend
 from formwork.schemas.structured import StructuredOutputsParams
 
 Status = Literal["pending", "ready", "failed"]
+
+# Compile threads run at this nice value above the engine's: a storm of new
+# schemas then takes the CPU the forward leaves over instead of halving decode
+# for every running request (#13 point 6). Compiles wait for their grammar anyway.
+COMPILE_NICE_INCREMENT = 10
+
+
+def lower_thread_priority() -> None:
+    """Lower the calling thread's CPU priority (Linux: nice is per thread)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid,
+                       min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICE_INCREMENT))
+    except (OSError, AttributeError):   # another OS, or not permitted: same priority
+        pass
 
 
 @dataclass(slots=True)
@@ -83,7 +99,8 @@ class StructuredOutputManager:
         # only when a constraint first needs it.
         self._backends: dict[str, GrammarBackend] = {
             name: self._new_backend(name) for name in ("llguidance", "xgrammar")}
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile")
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile",
+                                        initializer=lower_thread_priority)
         self._lock = threading.Lock()   # guards _cache, _inflight, _stats
         self._backend_lock = threading.Lock()   # guards _backends
         self._cache: OrderedDict[str, tuple[CompiledGrammar, GrammarBackend]] = OrderedDict()

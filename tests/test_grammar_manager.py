@@ -223,3 +223,25 @@ def test_bitmask_helpers_match_xgrammar_reference():
     set_only_tokens(bm, 0, [0, 31, 32, vocab - 1])
     assert torch.nonzero(bitmask_to_bool_mask(bm[:1], vocab)[0]).flatten().tolist() == \
         [0, 31, 32, vocab - 1]
+
+
+def test_compile_threads_run_at_a_lower_cpu_priority_than_the_engine_thread(manager, monkeypatch):
+    """A compile storm yields the CPU to the forward: the compile thread's nice value
+    is the engine thread's + COMPILE_NICE_INCREMENT (Linux: nice is per thread)."""
+    import os
+
+    from formwork.grammar import manager as manager_mod
+
+    seen = {}
+    backend = manager._backends["llguidance"]
+    original = backend.compile
+
+    def spy(params):
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return original(params)
+
+    monkeypatch.setattr(backend, "compile", spy)
+    manager.submit("r-nice", P(json=SCHEMA))
+    assert wait(manager, "r-nice") == "ready"
+    engine_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen["nice"] == min(19, engine_nice + manager_mod.COMPILE_NICE_INCREMENT)
