@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from formwork.gateway.openapi_doc import document_request_bodies
 from formwork.schemas.openai import ErrorInfo, ErrorResponse, FieldValueError, InvalidBodyError
 
 log = logging.getLogger("formwork.gateway")
@@ -180,7 +181,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            document_errors(fastapi_openapi())       # FastAPI caches it in app.openapi_schema
+            document = fastapi_openapi()             # FastAPI caches it in app.openapi_schema
+            document_errors(document)
+            document_request_bodies(document)
         return app.openapi_schema
 
     app.openapi = openapi

@@ -147,7 +147,8 @@ class _SamplingFields(_Request):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(
+        default=None, json_schema_extra={"items": {"type": "integer", "minimum": 0}})
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -161,7 +162,8 @@ class _SamplingFields(_Request):
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(
+        default=None, json_schema_extra={"minItems": 1, "items": {"type": "string", "minLength": 1}})
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
@@ -397,7 +399,8 @@ class TokenizeResponse(_Response):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    # documented bounds; the vocabulary's upper one is checked by the server (the message names it)
+    tokens: list[int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
 
 
 class DetokenizeResponse(_Response):
