@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from formwork.gateway.errors import ServerShuttingDownError, TooManyWaitingError
+from formwork.gateway.errors import ServerShuttingDownError, TooManyWaitingError, count_error
 
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 OPEN_WHILE_DRAINING = ("/health", "/metrics", "/version")
@@ -81,6 +81,7 @@ class AdmissionMiddleware:
         try:
             generate = self.admission.admit(scope.get("path", ""), scope.get("method", ""))
         except (ServerShuttingDownError, TooManyWaitingError) as refusal:
+            count_error(scope.get("app"), refusal.status)
             return await refusal.to_response()(scope, receive, send)
         try:
             await self.app(scope, receive, send)

@@ -142,10 +142,17 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
 
 
 def _counted(request: Request, response: JSONResponse) -> JSONResponse:
-    server = getattr(request.app.state, "server", None)
-    if server is not None:
-        server.metrics.observe_error(response.status_code)
+    count_error(request.app, response.status_code)
     return response
+
+
+def count_error(app, status: int) -> None:
+    """formwork_request_errors_total{status} of the server running `app` (none in
+    apps built without one, as in-process tests do). ASGI middlewares pass
+    scope.get("app"): their refusals (413, 429, 503) never reach a handler."""
+    server = getattr(getattr(app, "state", None), "server", None)
+    if server is not None:
+        server.metrics.observe_error(status)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -169,7 +176,7 @@ def install_error_handlers(app: FastAPI) -> None:
         code = "request_too_large" if exc.status_code == 413 else None
         response = APIError(exc.status_code, str(exc.detail), type=kind, code=code).to_response()
         response.headers.update(exc.headers or {})       # 405 says Allow
-        return response
+        return _counted(request, response)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from formwork.gateway.errors import APIError
+from formwork.gateway.errors import APIError, count_error
 
 DEFAULT_MAX_BODY_MB = 8.0
 
@@ -44,6 +44,7 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            count_error(scope.get("app"), 413)
             return await _too_large(self.max_bytes).to_response()(scope, receive, send)
         seen = 0
 
@@ -59,6 +60,7 @@ class BodyLimitMiddleware:
         try:
             await self.app(scope, counted, send)
         except _TooLarge:
+            count_error(scope.get("app"), 413)
             await _too_large(self.max_bytes).to_response()(scope, receive, send)
 
 

@@ -490,6 +490,11 @@ def test_oversized_requests_are_refused_fast_while_a_stream_flows(server):
                     gaps.append(now - last)
                     last = now
 
+    def errors_413() -> float:
+        return sum(v for k, v in metrics(server).items()
+                   if k.startswith("formwork_request_errors_total") and 'status="413"' in k)
+
+    before = errors_413()
     t = threading.Thread(target=stream)
     t.start()
     huge = json.dumps(_chat(messages=[{"role": "user", "content": "x" * (20 << 20)}])).encode()
@@ -503,6 +508,7 @@ def test_oversized_requests_are_refused_fast_while_a_stream_flows(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", content=chunks(), timeout=60,
                    headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert errors_413() == before + 2          # middleware refusals are counted too
     big = _post(server, _chat(messages=[{"role": "user", "content": "word " * (800 << 10)}]))
     elapsed = time.monotonic() - t0
     assert big.status_code == 400, big.text

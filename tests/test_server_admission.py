@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ def _app(admission: Admission, gate: asyncio.Event) -> FastAPI:
     """Generation routes that hold until `gate` is set: "fail" raises, "stream" streams."""
     app = FastAPI()
     install_error_handlers(app)
+    app.state.server = SimpleNamespace(metrics=ErrorCounts())
 
     @app.post(CHAT)
     async def chat(request: Request):
@@ -52,6 +54,16 @@ def _app(admission: Admission, gate: asyncio.Event) -> FastAPI:
     return app
 
 
+class ErrorCounts:
+    """Stands in for the server's metrics: formwork_request_errors_total by status."""
+
+    def __init__(self) -> None:
+        self.by_status: dict[int, int] = {}
+
+    def observe_error(self, status: int) -> None:
+        self.by_status[status] = self.by_status.get(status, 0) + 1
+
+
 def _client(app: FastAPI) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
@@ -75,7 +87,8 @@ def test_negative_limits_are_refused_before_start():
 def test_over_the_limit_is_429_and_every_way_out_gives_the_place_back():
     async def run() -> None:
         admission, gate = Admission(2), asyncio.Event()
-        async with _client(_app(admission, gate)) as client:
+        app = _app(admission, gate)
+        async with _client(app) as client:
             held = [asyncio.create_task(client.post(CHAT, json={})) for _ in range(2)]
             await _until(lambda: admission.generating == 2)
             r = await client.post(CHAT, json={})
@@ -84,6 +97,7 @@ def test_over_the_limit_is_429_and_every_way_out_gives_the_place_back():
                 "message": r.json()["error"]["message"], "type": "rate_limit_error",
                 "param": None, "code": "too_many_waiting_requests"}}
             assert "--max-waiting-requests" in r.json()["error"]["message"]
+            assert app.state.server.metrics.by_status == {429: 1}     # counted in /metrics
             assert (await client.post("/tokenize", json={})).status_code == 200  # not generation
             held[0].cancel()                                 # the client goes away
             await asyncio.gather(held[0], return_exceptions=True)
