@@ -32,6 +32,8 @@ from uvicorn.config import STARTUP_FAILURE
 from formwork.core.engine_proc import cuda_graphs_text
 from formwork.gateway.admission import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_WAITING, Admission,
                                         AdmissionMiddleware, max_generating)
+from formwork.gateway.dp_client import DPEngineClient
+from formwork.gateway.dp_router import sum_stats
 from formwork.gateway.engine_client import EngineClient
 from formwork.gateway.errors import (APIError, EngineDeadError, ServerShuttingDownError,
                                      install_error_handlers)
@@ -147,21 +149,30 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request):
-        """200 {"status": "ready"} while the engine answers; 503 with the state
-        ("draining", "restarting", "failed", or "unresponsive") and Retry-After otherwise."""
+        """200 {"status": "ready"} while the engine answers (data parallel: while
+        any engine answers; "engines" lists each one's state, pid and restarts);
+        503 with the state ("draining", "restarting", "failed", or "unresponsive")
+        and Retry-After otherwise."""
         engine = _state(request).engine
+        extra = ({"engines": engine.engine_states()} if isinstance(engine, DPEngineClient)
+                 else {})
         if request.app.state.admission.draining:
-            return JSONResponse({"status": "draining", "engine_restarts": engine.restarts},
-                                status_code=503, headers={"Retry-After": "5"})
+            return JSONResponse({"status": "draining", "engine_restarts": engine.restarts,
+                                 **extra}, status_code=503, headers={"Retry-After": "5"})
         if engine.state == "ready" and await engine.is_healthy():
-            return JSONResponse({"status": "ready", "engine_restarts": engine.restarts})
+            return JSONResponse({"status": "ready", "engine_restarts": engine.restarts, **extra})
         status = engine.state if engine.state != "ready" else "unresponsive"
-        return JSONResponse({"status": status, "engine_restarts": engine.restarts},
+        return JSONResponse({"status": status, "engine_restarts": engine.restarts, **extra},
                             status_code=503, headers={"Retry-After": "5"})
 
     @app.get("/metrics")
     async def metrics(request: Request):
         state = _state(request)
+        if isinstance(state.engine, DPEngineClient):
+            per_engine = await state.engine.get_engine_stats()
+            body = state.metrics.render(sum_stats(per_engine),
+                                        state.engine.engine_samples(per_engine))
+            return Response(body, media_type=CONTENT_TYPE)
         stats = None
         with contextlib.suppress(Exception):
             stats = await state.engine.get_stats()
@@ -242,7 +253,9 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
     async def lifespan(app: FastAPI):
         from formwork.core.tokenizer import load_tokenizer
         t0 = time.monotonic()
-        engine = EngineClient(config, on_fatal=_exit_for_supervisor)
+        engine = (EngineClient(config, on_fatal=_exit_for_supervisor)
+                  if config.data_parallel_size == 1
+                  else DPEngineClient(config, on_fatal=_exit_for_supervisor))
         # the engine process loads the model while this one loads the tokenizer
         starting = asyncio.create_task(engine.start())
         try:
@@ -263,6 +276,9 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
                  info["max_model_len"], info["attention_backend"],
                  cuda_graphs_text(info.get("cuda_graph_sizes")), info["structured_backend"],
                  info["pid"])
+        if config.data_parallel_size > 1:
+            log.info("data parallel: %d engines (pids %s), each with its own KV cache of %d "
+                     "blocks", config.data_parallel_size, info["pids"], info["num_kv_blocks"])
         app.state.server = ServerState(engine=engine, tokenizer=tokenizer,
                                        served_model_names=names,
                                        max_model_len=info["max_model_len"],
@@ -293,7 +309,8 @@ def run_server(config: EngineConfig, *, host: str, port: int,
                max_waiting_requests: int = DEFAULT_MAX_WAITING,
                drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
     """Serve until SIGTERM (drained) or SIGINT; the exit status."""
-    admission = Admission(max_generating(config.max_num_seqs, max_waiting_requests))
+    admission = Admission(max_generating(config.max_num_seqs * config.data_parallel_size,
+                                         max_waiting_requests))
     app = build_app(config, served_model_names=served_model_names, api_key=api_key,
                     max_request_body_mb=max_request_body_mb, admission=admission)
     server = DrainingServer(

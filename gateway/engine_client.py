@@ -5,6 +5,10 @@ request, the OutputProcessor (detokenization, stop strings, n > 1 fan-in).
 A background task reads engine outputs and routes them to the queues; a
 watcher on the process sentinel marks the engine dead and fails every waiting
 request with EngineDeadError (503).
+
+How the engine starts is pluggable (gateway/engine_launch.py): `launcher`
+(default: a local spawned process) and `bind_host` (None: ipc:// sockets in a
+private folder; a host: tcp://host:<random port>, handed to the launcher).
 """
 from __future__ import annotations
 
@@ -12,8 +16,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
-import os
 import shutil
 import time
 from typing import AsyncIterator, Callable
@@ -24,6 +26,7 @@ import zmq.asyncio
 
 from formwork.core.engine_proc import READY_CALL_ID, handshake_result, start_engine_process
 from formwork.core.ipc import make_ipc_dir
+from formwork.gateway.engine_launch import Launcher, bind_pair
 from formwork.gateway.errors import PARAM_PREFIX, APIError, EngineDeadError
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
@@ -51,10 +54,16 @@ class EngineClient:
 
     def __init__(self, config: EngineConfig, tokenizer=None, *,
                  ready_timeout_s: float = 900.0, max_restarts: int = 5,
-                 restart_backoff_s: float = 1.0, on_fatal=None) -> None:
+                 restart_backoff_s: float = 1.0, on_fatal=None,
+                 launcher: Launcher | None = None, bind_host: str | None = None,
+                 name: str = "engine") -> None:
         """`tokenizer` may be given later (set_tokenizer) so that it loads while the
-        engine starts; it must be set before the first generate()."""
+        engine starts; it must be set before the first generate(). `name` is how
+        logs call this engine ("engine 1" under data parallelism)."""
         self.config = config
+        self.name = name
+        self.launcher: Launcher = launcher or start_engine_process
+        self.bind_host = bind_host
         self.ready_timeout_s = ready_timeout_s
         self.tokenizer = None
         self.processor: OutputProcessor | None = None
@@ -77,11 +86,11 @@ class EngineClient:
         self._call_ids = itertools.count(READY_CALL_ID + 1)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        self._tmpdir = make_ipc_dir()
+        self._tmpdir = make_ipc_dir() if bind_host is None else None
         self._ctx = zmq.asyncio.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._out = self._ctx.socket(zmq.PULL)
-        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._proc = None                      # the launcher's process-like handle
         self._reader: asyncio.Task | None = None
 
     def set_tokenizer(self, tokenizer) -> None:
@@ -91,16 +100,14 @@ class EngineClient:
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> dict:
         """Spawn the engine, wait for its ready handshake, return its model info."""
-        self._in_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
-        self._out_addr = f"ipc://{os.path.join(self._tmpdir, 'output')}"
-        self._in.bind(self._in_addr)
-        self._out.bind(self._out_addr)
+        self._in_addr, self._out_addr = bind_pair(self._in, self._out, self._tmpdir,
+                                                  self.bind_host)
         await self._launch()
         return self.info
 
     async def _launch(self) -> None:
         """Start an engine process and wait for its handshake; then serve."""
-        self._proc = start_engine_process(self.config, self._in_addr, self._out_addr)
+        self._proc = self.launcher(self.config, self._in_addr, self._out_addr)
         self.info = await self._wait_ready()
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_engine_exit)
@@ -120,12 +127,13 @@ class EngineClient:
         while not self._closing:
             if self._failed_restarts >= self.max_restarts:
                 self.state = "failed"
-                log.error("engine failed %d restarts in a row; giving up", self._failed_restarts)
+                log.error("%s failed %d restarts in a row; giving up", self.name,
+                          self._failed_restarts)
                 if self.on_fatal is not None:
                     self.on_fatal()
                 return
             delay = min(30.0, self.restart_backoff_s * 2 ** self._failed_restarts)
-            log.warning("restarting the engine in %.1f s (restart %d)", delay, self.restarts + 1)
+            log.warning("restarting %s in %.1f s (restart %d)", self.name, delay, self.restarts + 1)
             await asyncio.sleep(delay)
             if self._closing:
                 return
@@ -134,12 +142,12 @@ class EngineClient:
                 await self._launch()
             except Exception as e:  # noqa: BLE001 - counted and retried; fatal after the limit
                 self._failed_restarts += 1
-                log.error("engine restart failed: %s", e)
+                log.error("%s restart failed: %s", self.name, e)
                 if self._proc is not None and self._proc.is_alive():
                     self._proc.kill()
                 continue
             self._failed_restarts = 0
-            log.info("engine restarted (pid %s)", self._proc.pid)
+            log.info("%s restarted (pid %s)", self.name, self._proc.pid)
             return
 
     async def _wait_ready(self) -> dict:
@@ -157,8 +165,8 @@ class EngineClient:
     def _on_engine_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._proc.sentinel)
         if not self.dead and not self._closing:
-            log.error("engine process exited (code %s); in-flight requests get 503, "
-                      "restarting it", self._proc.exitcode)
+            log.error("%s process exited (code %s); in-flight requests get 503, "
+                      "restarting it", self.name, self._proc.exitcode)
         self._fail_all()
         if not self._closing and (self._restart_task is None or self._restart_task.done()):
             self.state = "restarting"
@@ -205,7 +213,8 @@ class EngineClient:
         if self._reader is not None:
             self._reader.cancel()
         self._ctx.destroy(linger=0)      # closes both sockets; never waits on a peer
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # -- I/O -------------------------------------------------------------------
     async def _send(self, msg: InputMessage) -> None:

@@ -10,11 +10,11 @@ their spin-wait), and the engine's OpenMP settings are chosen at its start
 `EngineProcess` has the surface `LLM` uses from an in-process `EngineCore`:
 add_request / abort_requests / step / has_unfinished_requests / check_prompt /
 get_stats / shutdown, plus `tokenizer`, `max_model_len`, `vocab_size`, `info`.
+`LLM(data_parallel_size=N)` drives N of them (gateway/dp_offline.py).
 """
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
 import time
 from types import SimpleNamespace
@@ -22,9 +22,10 @@ from types import SimpleNamespace
 import msgspec
 import zmq
 
-from formwork.core.engine_proc import READY_CALL_ID, handshake_result, start_engine_process
+from formwork.core.engine_proc import READY_CALL_ID, handshake_result
 from formwork.core.ipc import make_ipc_dir
 from formwork.core.prompt_check import check_prompt
+from formwork.gateway.engine_launch import Launcher, bind_pair, start_engine_process
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
                                      EngineCoreUtility, EngineStats, InputMessage)
@@ -37,28 +38,41 @@ class EngineDiedError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig, *, ready_timeout_s: float = 900.0) -> None:
-        from formwork.core.tokenizer import load_tokenizer
-
+    def __init__(self, config: EngineConfig, *, ready_timeout_s: float = 900.0,
+                 launcher: Launcher | None = None, tokenizer=None,
+                 wait: bool = True) -> None:
+        """`tokenizer`: given (shared by several engines) or loaded here while the
+        engine loads the model. `wait=False` returns once the process is
+        started; then `wait_ready()` must be called before anything else (several
+        engines load at once)."""
         self.config = config
         self._tmpdir = make_ipc_dir()
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._out = self._ctx.socket(zmq.PULL)
-        in_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
-        out_addr = f"ipc://{os.path.join(self._tmpdir, 'output')}"
-        self._in.bind(in_addr)
-        self._out.bind(out_addr)
+        in_addr, out_addr = bind_pair(self._in, self._out, self._tmpdir, None)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._pending: set[str] = set()          # engine request ids not finished yet
         self._buffered: list[EngineCoreOutputs] = []
         self._call_ids = itertools.count(READY_CALL_ID + 1)
         self._closed = False
-        self._proc = start_engine_process(config, in_addr, out_addr)
+        self.ready_timeout_s = ready_timeout_s
+        self.tokenizer = tokenizer
+        self._proc = (launcher or start_engine_process)(config, in_addr, out_addr)
+        if wait:
+            self.wait_ready()
+
+    # -- lifecycle --------------------------------------------------------------
+    def wait_ready(self) -> None:
+        """Load the tokenizer unless given (while the engine loads the model), then
+        wait for the engine's handshake; shut down and re-raise on failure."""
+        from formwork.core.tokenizer import load_tokenizer
+
         try:
-            self.tokenizer = load_tokenizer(config.model)   # while the engine loads the model
-            info = self._wait_ready(ready_timeout_s)
+            if self.tokenizer is None:
+                self.tokenizer = load_tokenizer(self.config.model)
+            info = self._wait_ready(self.ready_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -66,7 +80,6 @@ class EngineProcess:
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
 
-    # -- lifecycle --------------------------------------------------------------
     def _wait_ready(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -121,6 +134,18 @@ class EngineProcess:
             self._pending.clear()
             raise EngineDiedError(f"engine process exited (code {self._proc.exitcode}); "
                                   f"{lost} unfinished requests lost")
+
+    @property
+    def output_socket(self) -> zmq.Socket:
+        """For a caller polling several engines at once (read only by step())."""
+        return self._out
+
+    def has_buffered_output(self) -> bool:
+        return bool(self._buffered)
+
+    def check_alive(self) -> None:
+        """EngineDiedError when the engine process is gone."""
+        self._check_alive()
 
     def _recv(self) -> EngineCoreOutputs:
         while not self._out.poll(POLL_MS):

@@ -11,6 +11,11 @@ V1's does): the caller's own torch work cannot slow it, and it starts with the
 OpenMP settings formwork chooses (gpu/cpu_threads.py). `LLM(engine_process=False)`
 (or FORMWORK_ENGINE_PROCESS=0) keeps it in this process, where `llm.engine` is
 the EngineCore itself (debugging, tests that look inside).
+
+`LLM(data_parallel_size=N)` starts N engine processes, each with its own
+scheduler and KV cache; prompts are spread over them by the server's rule
+(least outstanding work, prefix affinity: gateway/dp_router.py) and the
+results come back as with one engine, in prompt order.
 """
 from __future__ import annotations
 
@@ -39,7 +44,13 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_kwargs)
         if engine_process is None:
             engine_process = _engine_process_default()
-        if engine_process:
+        if self.config.data_parallel_size > 1:
+            if not engine_process:
+                raise ValueError("data_parallel_size > 1 runs engines in their own processes: "
+                                 "leave engine_process at its default (True)")
+            from formwork.gateway.dp_offline import EngineProcessGroup
+            self.engine = EngineProcessGroup(self.config)
+        elif engine_process:
             from formwork.gateway.engine_process import EngineProcess
             self.engine = EngineProcess(self.config)
         else:

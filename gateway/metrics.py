@@ -14,6 +14,14 @@ fraction whatever the device), vllm:prompt_tokens_total,
 vllm:generation_tokens_total, vllm:request_success_total{finished_reason},
 vllm:time_to_first_token_seconds, vllm:time_per_output_token_seconds and
 vllm:e2e_request_latency_seconds (histograms).
+
+Under data parallelism the engine-side values above are the engines' sum, and
+per-engine series carry an `engine` label (its index): formwork_dp_engine_up,
+formwork_dp_engine_restarts_total, formwork_dp_engine_num_requests_running /
+_waiting, formwork_dp_engine_kv_cache_usage_perc (engine reports),
+formwork_dp_requests_in_flight, formwork_dp_outstanding_tokens (gateway
+counters the router uses) and
+formwork_dp_requests_routed_total{engine, reason="affinity|load"}.
 """
 from __future__ import annotations
 
@@ -109,6 +117,62 @@ class _EngineCollector:
             yield c
 
 
+@dataclass(slots=True)
+class EngineSample:
+    """One data-parallel engine as /metrics shows it (a snapshot, read-only)."""
+    index: int
+    up: bool
+    restarts: int
+    stats: EngineStats | None
+    requests: int                   # in flight, gateway-side
+    tokens: int                     # outstanding, gateway-side
+    routed: dict[str, int]          # reason -> requests routed
+
+
+class _DPCollector:
+    """Per-engine series (label `engine`), from the samples set by `Metrics.render`."""
+
+    def __init__(self) -> None:
+        self.samples: list[EngineSample] = []
+
+    def _gauge(self, name: str, doc: str, value) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(f"formwork_dp_{name}", doc, labels=["engine"])
+        for s in self.samples:
+            v = value(s)
+            if v is not None:
+                g.add_metric([str(s.index)], v)
+        return g
+
+    def collect(self):
+        if not self.samples:
+            return
+        yield self._gauge("engine_up", "1 while the engine serves (state ready).",
+                          lambda s: float(s.up))
+        yield self._gauge("engine_num_requests_running", "Requests in the engine's batch.",
+                          lambda s: s.stats and s.stats.num_running)
+        yield self._gauge("engine_num_requests_waiting", "Requests waiting in the engine "
+                          "(incl. grammar).", lambda s: s.stats and
+                          s.stats.num_waiting + s.stats.num_waiting_for_grammar)
+        yield self._gauge("engine_kv_cache_usage_perc", "Share of the engine's KV blocks held "
+                          "(0-1).", lambda s: s.stats and (s.stats.kv_total_blocks
+                          - s.stats.kv_free_blocks) / max(1, s.stats.kv_total_blocks))
+        yield self._gauge("requests_in_flight", "Requests the gateway has in flight on the "
+                          "engine.", lambda s: s.requests)
+        yield self._gauge("outstanding_tokens", "Prompt plus remaining max_tokens of the "
+                          "engine's requests in flight (the router's load).", lambda s: s.tokens)
+        restarts = CounterMetricFamily("formwork_dp_engine_restarts", "Engine restarts.",
+                                       labels=["engine"])
+        routed = CounterMetricFamily("formwork_dp_requests_routed",
+                                     "Requests routed to the engine, by reason.",
+                                     labels=["engine", "reason"])
+        for s in self.samples:
+            restarts.add_metric([str(s.index)], s.restarts)
+            for reason, n in sorted(s.routed.items()):
+                routed.add_metric([str(s.index), reason], n)
+        yield restarts
+        yield routed
+
+
 class _RequestMetrics:
     """The gateway's request metrics under one naming: `formwork_*`, and the same
     values under vLLM's `vllm:*` names so that existing dashboards work."""
@@ -142,6 +206,8 @@ class Metrics:
         self._families = (_RequestMetrics(r, "formwork_"), _RequestMetrics(r, "vllm:"))
         self._engine = _EngineCollector(model_name)
         r.register(self._engine)
+        self._dp = _DPCollector()
+        r.register(self._dp)
 
     def observe_finished(self, timer: RequestTimer, prompt_tokens: int,
                          finish_reasons: list[str | None]) -> None:
@@ -165,6 +231,10 @@ class Metrics:
     def observe_error(self, status: int) -> None:
         self._errors.labels(self.model_name, str(status)).inc()
 
-    def render(self, stats: EngineStats | None) -> bytes:
+    def render(self, stats: EngineStats | None,
+               engines: list[EngineSample] | None = None) -> bytes:
+        """`stats`: the engine's (under data parallelism: the engines' sum);
+        `engines`: per-engine samples, data parallelism only."""
         self._engine.stats = stats
+        self._dp.samples = engines or []
         return generate_latest(self.registry)

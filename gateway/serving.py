@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 
+from formwork.gateway.dp_client import DPEngineClient
 from formwork.gateway.engine_client import EngineClient, EngineRequestError
 from formwork.gateway.errors import APIError
 from formwork.gateway.metrics import Metrics, RequestTimer
@@ -22,7 +23,7 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class ServerState:
-    engine: EngineClient
+    engine: EngineClient | DPEngineClient       # the latter under data parallelism
     tokenizer: Any
     served_model_names: tuple[str, ...]
     max_model_len: int
