@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
+import time
 from dataclasses import replace
 
 import ray
@@ -44,6 +46,10 @@ def connect(address: str | None = None) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    # ray.init installs a SIGTERM handler that exits at once; the server's own
+    # (a graceful drain, gateway/api_server.py) is put back
+    main = threading.current_thread() is threading.main_thread()
+    saved = signal.getsignal(signal.SIGTERM) if main else None
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     except ConnectionError:
@@ -52,6 +58,9 @@ def connect(address: str | None = None) -> None:
         log.info("no Ray cluster running: starting a local one on 127.0.0.1")
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
                  logging_level=logging.WARNING, log_to_driver=False)
+    finally:
+        if main and saved is not None:
+            signal.signal(signal.SIGTERM, saved)
 
 
 def gateway_host() -> str:
@@ -78,29 +87,43 @@ class RayEngineHandle:
     """The `multiprocessing.Process` surface EngineClient uses (is_alive,
     sentinel, pid, exitcode, join, terminate, kill) for an engine actor.
 
-    `sentinel` is the read end of a pipe a watcher thread writes to when the
-    actor's `run` call ends (the engine exited, crashed or was killed)."""
+    Nothing here blocks the caller (the gateway's event loop): a watcher thread
+    learns where the actor runs (pid, node), then waits for its `run` call to
+    end (the engine exited, crashed or was killed) and makes `sentinel`, the
+    read end of a pipe, readable."""
 
-    def __init__(self, actor, run_ref, where: dict) -> None:
+    def __init__(self, actor, where_ref, run_ref) -> None:
         self.actor = actor
-        self.pid: int = where["pid"]
-        self.node_id: str = where["node_id"]
-        self.node_ip: str = where["node_ip"]
+        self.pid: int | None = None
+        self.node_id: str | None = None
+        self.node_ip: str | None = None
         self.exitcode: int | None = None
         self._done = threading.Event()
         self._r, self._w = os.pipe()
         self.sentinel = self._r
-        threading.Thread(target=self._watch, args=(run_ref,), name="ray-engine-watch",
+        threading.Thread(target=self._watch, args=(where_ref, run_ref), name="ray-engine-watch",
                          daemon=True).start()
 
-    def _watch(self, run_ref) -> None:
+    def _watch(self, where_ref, run_ref) -> None:
         try:
+            where = ray.get(where_ref)
+            self.pid, self.node_id, self.node_ip = where["pid"], where["node_id"], where["node_ip"]
+            log.info("engine actor pid %d on node %s (%s)", self.pid, self.node_id[:8], self.node_ip)
             self.exitcode = ray.get(run_ref)
         except Exception as e:  # noqa: BLE001 - RayActorError and kin: the engine died
-            log.warning("engine actor on node %s ended: %s", self.node_id[:8], type(e).__name__)
+            log.warning("engine actor (pid %s) ended: %s", self.pid, type(e).__name__)
             self.exitcode = 1
         self._done.set()
         os.write(self._w, b"x")
+
+    def wait_placed(self, timeout: float | None = None) -> bool:
+        """Until pid and node are known (tests, logs); False on timeout or death."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.pid is None and not self._done.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return self.pid is not None
 
     def is_alive(self) -> bool:
         return not self._done.is_set()
@@ -112,6 +135,13 @@ class RayEngineHandle:
         ray.kill(self.actor, no_restart=True)
 
     kill = terminate
+
+    def __del__(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 class RayEngineLauncher:
@@ -136,11 +166,24 @@ class RayEngineLauncher:
         self.handles: dict[int, RayEngineHandle] = {}
 
     def for_engine(self, index: int):
+        """The launcher of engine `index` (its bundle)."""
         def launch(config: EngineConfig, input_addr: str, output_addr: str) -> RayEngineHandle:
-            return self.launch(index, config, input_addr, output_addr)
+            return self.launch(config, input_addr, output_addr, index=index)
         return launch
 
-    def launch(self, index: int, config: EngineConfig, input_addr: str, output_addr: str) -> RayEngineHandle:
+    def free_bundle(self) -> int:
+        """The first bundle without a live engine: a restarted engine takes the one
+        its dead predecessor left."""
+        for i in range(self.placement_group.bundle_count):
+            if i not in self.handles or not self.handles[i].is_alive():
+                return i
+        raise RuntimeError("every bundle of the placement group holds a live engine")
+
+    def launch(self, config: EngineConfig, input_addr: str, output_addr: str, *,
+               index: int | None = None) -> RayEngineHandle:
+        """`launcher(config, input_addr, output_addr)` for EngineClient: engine in
+        bundle `index` (default: the first free one)."""
+        index = self.free_bundle() if index is None else index
         strategy = PlacementGroupSchedulingStrategy(self.placement_group,
                                                     placement_group_bundle_index=index)
         env = {k: v for k, v in _ENGINE_ENV.items() if k not in os.environ}
@@ -148,14 +191,13 @@ class RayEngineLauncher:
             scheduling_strategy=strategy, resources={}, num_cpus=self._bundle.get("CPU", 0),
             num_gpus=self._bundle.get("GPU", 0), name=None,
             runtime_env={"env_vars": env} if env else None).remote()
-        where = ray.get(actor.where.remote())
+        where_ref = actor.where.remote()
         # one engine per actor: the engine itself is never data-parallel
         run_ref = actor.run.remote(replace(config, data_parallel_size=1), input_addr, output_addr,
                                    logging.getLogger().getEffectiveLevel())
-        handle = RayEngineHandle(actor, run_ref, where)
+        handle = RayEngineHandle(actor, where_ref, run_ref)
         self.handles[index] = handle
-        log.info("engine %d: Ray actor pid %d on node %s (%s)", index, handle.pid,
-                 handle.node_id[:8], handle.node_ip)
+        log.info("engine %d: Ray actor in bundle %d", index, index)
         return handle
 
     def shutdown(self) -> None:

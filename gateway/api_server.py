@@ -34,7 +34,7 @@ from formwork.gateway.admission import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_WAI
                                         AdmissionMiddleware, max_generating)
 from formwork.gateway.dp_client import DPEngineClient
 from formwork.gateway.dp_router import sum_stats
-from formwork.gateway.engine_client import EngineClient
+from formwork.gateway.engine_factory import make_engine_client
 from formwork.gateway.errors import (APIError, EngineDeadError, ServerShuttingDownError,
                                      install_error_handlers)
 from formwork.gateway.limits import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware, longest_token_chars
@@ -253,9 +253,7 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
     async def lifespan(app: FastAPI):
         from formwork.core.tokenizer import load_tokenizer
         t0 = time.monotonic()
-        engine = (EngineClient(config, on_fatal=_exit_for_supervisor)
-                  if config.data_parallel_size == 1
-                  else DPEngineClient(config, on_fatal=_exit_for_supervisor))
+        engine, release_engines = make_engine_client(config, on_fatal=_exit_for_supervisor)
         # the engine process loads the model while this one loads the tokenizer
         starting = asyncio.create_task(engine.start())
         try:
@@ -267,6 +265,7 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
         except BaseException:
             starting.cancel()
             await engine.shutdown()
+            release_engines()
             raise
         log.info("engine ready in %.1f s", time.monotonic() - t0)
         log.info("formwork %s serving %s as %s | %s on %s | KV cache %d blocks x %d tokens | "
@@ -290,6 +289,7 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
             log.info("shutting down the engine")
             tokenizers.shutdown()
             await engine.shutdown()
+            release_engines()
 
     app = FastAPI(title="formwork", version=version(), lifespan=lifespan)
     app.state.admission = admission or Admission(None)

@@ -117,6 +117,7 @@ class DPEngineClient:
     def engine_states(self) -> list[dict]:
         return [{"engine": i, "state": e.state, "pid": e.pid, "restarts": e.restarts,
                  "requests": self.router.engines[i].requests}
+                | ({"node": e.node} if e.node is not None else {})
                 for i, e in enumerate(self.engines)]
 
     def engine_samples(self, stats: list[EngineStats | None]) -> list[EngineSample]:

@@ -317,3 +317,8 @@ class EngineClient:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def node(self) -> str | None:
+        """The Ray node the engine runs on (Ray backend only)."""
+        return getattr(self._proc, "node_id", None)

@@ -93,6 +93,7 @@ def test_engines_spread_over_nodes_serve_and_come_back_after_a_kill(two_node_clu
             pull, out_addr = _bind(ctx, zmq.PULL)
             handle = launcher.for_engine(i)(config, in_addr, out_addr)
             engines.append((push, pull, handle, in_addr, out_addr))
+        assert all(h.wait_placed(60) for _, _, h, _, _ in engines)
         assert len({h.node_id for _, _, h, _, _ in engines}) == 2, "engines share a node"
         for push, pull, handle, _, _ in engines:
             info = handshake_result(_recv(pull, dec, 120))
@@ -121,7 +122,8 @@ def test_engines_spread_over_nodes_serve_and_come_back_after_a_kill(two_node_clu
             readable = bool(zmq.select([handle.sentinel], [], [], 0.5)[0])
         assert readable and not handle.is_alive() and handle.exitcode == 1
 
-        again = launcher.for_engine(1)(config, in_addr, out_addr)
+        again = launcher.launch(config, in_addr, out_addr)        # the free bundle: 1
+        assert again.wait_placed(60)
         assert again.pid != handle.pid and again.node_id == handle.node_id   # its bundle
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:          # skip the dead engine's leftovers
