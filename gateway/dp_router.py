@@ -4,7 +4,7 @@ DPEngineClient and the offline LLM's EngineProcessGroup.
 
 Owns: per-engine gateway-side counters (requests in flight, outstanding
 tokens), the last EngineStats each engine reported, and the affinity map
-(first prompt block -> engine). The callers own the engines and tell the
+(prompt prefix -> the engines it was sent to). The callers own the engines and tell the
 router what happened: `route` -> `started` -> `progressed`* -> `finished`.
 
 The rule, for a request with prompt tokens `p` and `max_tokens` m (n choices):
@@ -16,13 +16,21 @@ The rule, for a request with prompt tokens `p` and `max_tokens` m (n choices):
                             + n * (max_tokens - tokens generated so far)
 
 Only engines that are ready are candidates. `least` = the candidate with the
-smallest load (lowest index on a tie). When the prompt has at least one full
-block (`block_size` tokens) and that first block was routed before to an
-engine `home` that is still a candidate, the request goes to `home` unless it
-is overloaded: load(home) > OVERLOAD_RATIO * load(least) + OVERLOAD_SLACK
-tokens; then it goes to `least` (reason "load"). The first engine a block
-goes to stays its home until that engine is no longer ready. A request's
-sub-requests (n > 1) are one routing decision: they all go to the same engine.
+smallest load (lowest index on a tie).
+
+Prefix affinity, on the longest prefix seen: for each full block of the prompt
+(block_size tokens, up to AFFINITY_BLOCKS blocks) the router keeps, under a
+hash of the whole prefix up to that block, the engines it sent that prefix to
+(engines that stopped being ready are dropped: a restarted engine's cache is
+gone). The deepest prefix of the prompt with a holder gives the `holders`.
+When some candidates hold it and others do not, the request goes to the least
+loaded holder `home` unless it is overloaded: load(home) > OVERLOAD_RATIO *
+load(least) + OVERLOAD_SLACK tokens; then it goes to `least` (reason "load").
+When every candidate holds it (a system prompt all engines have served) or
+none does, only the load decides. A prefix shared by every engine thus stops
+pulling traffic to one of them, while a conversation's longer prefix keeps
+going where it is cached. A request's sub-requests (n > 1) are one routing
+decision: they all go to the same engine.
 """
 from __future__ import annotations
 
@@ -35,7 +43,8 @@ REQUEST_TOKENS = 64          # a request's fixed cost, in tokens (scheduling, a 
 KV_TOKENS = 1024             # the cost of a full KV cache, in tokens
 OVERLOAD_RATIO = 1.5
 OVERLOAD_SLACK = 512         # tokens
-AFFINITY_ENTRIES = 4096      # first blocks remembered (least recently routed dropped)
+AFFINITY_ENTRIES = 65536     # prefixes remembered (least recently routed dropped)
+AFFINITY_BLOCKS = 64         # the deepest prefix looked at, in blocks
 
 
 @dataclass(slots=True)
@@ -73,7 +82,7 @@ class Router:
         self.block_size = block_size
         self.overload_ratio = overload_ratio
         self.overload_slack = overload_slack
-        self._homes: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        self._holders: OrderedDict[int, set[int]] = OrderedDict()   # prefix hash -> engines
         self._in_flight: dict[str, _InFlight] = {}
 
     # -- decisions ------------------------------------------------------------------
@@ -84,26 +93,37 @@ class Router:
         if not candidates:
             raise ValueError("no engine is ready")
         least = min(candidates, key=lambda i: (self.engines[i].load(), i))
-        key = self._key(prompt_ids)
-        if key is None:
-            return least, "load"
-        home = self._homes.get(key)
-        if home is None or not ready[home]:
-            self._homes[key] = least
-            self._homes.move_to_end(key)
-            while len(self._homes) > AFFINITY_ENTRIES:
-                self._homes.popitem(last=False)
-            return least, "load"
-        self._homes.move_to_end(key)
-        if self.engines[home].load() > (self.overload_ratio * self.engines[least].load()
-                                        + self.overload_slack):
-            return least, "load"
-        return home, "affinity"
+        keys = self._keys(prompt_ids)
+        chosen, reason = least, "load"
+        holders = self._deepest_holders(keys, ready)
+        if holders and len(holders) < len(candidates):
+            home = min(holders, key=lambda i: (self.engines[i].load(), i))
+            if self.engines[home].load() <= (self.overload_ratio * self.engines[least].load()
+                                             + self.overload_slack):
+                chosen, reason = home, "affinity"
+        for key in keys:
+            self._holders.setdefault(key, set()).add(chosen)
+            self._holders.move_to_end(key)
+        while len(self._holders) > AFFINITY_ENTRIES:
+            self._holders.popitem(last=False)
+        return chosen, reason
 
-    def _key(self, prompt_ids: list[int]) -> tuple[int, ...] | None:
-        if len(prompt_ids) < self.block_size:
-            return None
-        return tuple(prompt_ids[:self.block_size])
+    def _deepest_holders(self, keys: list[int], ready: list[bool]) -> set[int]:
+        for key in reversed(keys):
+            holders = self._holders.get(key)
+            if holders:
+                holders.intersection_update(i for i in holders if i < len(ready) and ready[i])
+                if holders:
+                    return holders
+        return set()
+
+    def _keys(self, prompt_ids: list[int]) -> list[int]:
+        """Chained hashes of the prompt's full-block prefixes, shallowest first."""
+        bs, keys, h = self.block_size, [], 0
+        for k in range(min(len(prompt_ids) // bs, AFFINITY_BLOCKS)):
+            h = hash((h, tuple(prompt_ids[k * bs:(k + 1) * bs])))
+            keys.append(h)
+        return keys
 
     # -- bookkeeping ----------------------------------------------------------------
     def started(self, request_id: str, engine: int, reason: str, prompt_tokens: int,

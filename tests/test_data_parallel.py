@@ -63,6 +63,24 @@ def test_affinity_holds_until_the_home_is_overloaded():
     assert r.engines[0].routed == {"affinity": i - 2, "load": 1}     # b, r2 .. r(i-2); a
 
 
+def test_a_prefix_every_engine_holds_routes_by_load_a_deeper_one_by_affinity():
+    """Chat prompts share the template's system turn: once both engines served it,
+    it no longer pulls traffic to one; a conversation's longer prefix still goes
+    where it was served."""
+    r = Router(2, BS)
+    system = [3] * BS                                        # one shared block
+    convo = system + [8] * BS + [9] * 5                      # a conversation of its own
+    assert start(r, "a", system + [1] * BS, max_tokens=2000) == (0, "load")
+    assert start(r, "b", convo) == (1, "load")               # 0 overloaded: both hold "system"
+    assert start(r, "c", system + [2] * BS) == (1, "load")   # by load: 0 is still the busier
+    r.finished("a")
+    assert start(r, "d", system + [4] * BS) == (0, "load")   # by load again, not to a "home"
+    assert start(r, "e", convo + [10] * BS) == (1, "affinity")   # its conversation's engine
+    for rid in "bcde":
+        r.finished(rid)
+    assert r.route(convo, BOTH) == (1, "affinity")          # idle engines: affinity decides
+
+
 def test_only_ready_engines_and_a_dead_home_moves():
     r = Router(3, BS)
     assert start(r, "a", prompt(1)) == (0, "load")
@@ -128,6 +146,7 @@ class FakeEngine:
 
     def __init__(self, steps: int = 3, fail: bool = False) -> None:
         self.state, self.dead, self.restarts, self.pid, self.info = "ready", False, 0, 1, {"x": 1}
+        self.node = None                     # a local process, not a Ray actor
         self.steps, self.fail = steps, fail
         self.seen: list[tuple[str, int]] = []
         self.aborted: list[str] = []
