@@ -15,22 +15,19 @@ parent dies (PR_SET_PDEATHSIG on Linux, plus a getppid() check).
 from __future__ import annotations
 
 import atexit
-import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import zmq
 
+from formwork.gpu.child_process import die_with_parent, main_module_not_reimported
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import (EngineCoreOutput, EngineCoreOutputs, FinishReason, InputMessage)
 
@@ -40,15 +37,6 @@ READY_CALL_ID = 0
 IDLE_POLL_MS = 1000          # how often an idle engine checks that its parent lives
 PARENT_CHECK_S = 1.0
 UTILITY_METHODS = ("ping", "get_stats", "info")
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGTERM us when the parent exits (Linux only)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 def handshake_result(outs: EngineCoreOutputs) -> dict | None:
@@ -180,32 +168,10 @@ def start_engine_process(config: EngineConfig, input_addr: str,
     proc = ctx.Process(target=run_engine_core, name="EngineCore", daemon=False,
                        args=(config, input_addr, output_addr, os.getpid(),
                              logging.getLogger().getEffectiveLevel()))
-    with engine_env(config), _main_module_not_reimported():
+    with engine_env(config), main_module_not_reimported():
         proc.start()
     atexit.register(_stop_at_exit, weakref.ref(proc))
     return proc
-
-
-@contextlib.contextmanager
-def _main_module_not_reimported() -> Iterator[None]:
-    """A spawned child re-runs the parent's main script unless it is guarded by
-    `if __name__ == "__main__":` -- a script calling `LLM()` at top level would
-    start engines recursively. The engine's entry point lives in this module and
-    needs nothing from __main__, so for the moment of the spawn the main module
-    looks like an interactive session's (no __file__, no __spec__), for which
-    multiprocessing imports nothing. Restored right after."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
 
 
 def _stop_at_exit(ref: "weakref.ref[multiprocessing.process.BaseProcess]") -> None:
@@ -226,7 +192,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     parent_pid: int | None, log_level: int = logging.INFO) -> None:
     """Process entry point (multiprocessing spawn target; core/ray_engines.py runs it
     inside a Ray actor with parent_pid None)."""
-    _die_with_parent()
+    die_with_parent()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent owns Ctrl-C and tells us
         signal.signal(signal.SIGTERM, _on_sigterm)

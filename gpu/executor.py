@@ -4,6 +4,11 @@ bitmasks on its own thread meanwhile (torch releases the GIL in its kernels).
 
 `execute_model(plan, non_block=True)` returns at once; `sample_tokens(bitmask)`
 waits for that forward and samples. One step in flight at a time.
+
+Under tensor parallelism that worker thread is rank 0: it also owns the
+worker processes of ranks 1..N-1 (gpu/tp_worker.py) and the process group, and
+broadcasts each plan to them before its own forward; the model, KV cache and
+runner it owns are rank 0's shards.
 """
 from __future__ import annotations
 
@@ -14,21 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
-from formwork.gpu.attention import allocate_kv_cache, kv_cache_bytes_per_block
-from formwork.gpu.attention_select import get_attention_backend
-from formwork.gpu.cpu_linear import pack_linears, packing_supported
+from formwork.gpu import tp_worker
 from formwork.gpu.cpu_threads import ThreadGovernor
 from formwork.gpu.cuda_graph import DecodeGraphRunner, GraphFactory, capture_sizes, pick_graph_factory
-from formwork.gpu.loader import load_model
-from formwork.gpu.model import CPU_FUSED_OPS, ModelConfig
+from formwork.gpu.model import ModelConfig
 from formwork.gpu.model_runner import ModelRunner
-from formwork.kernels import cpu_fused_ops
+from formwork.gpu.rank_setup import build_rank, forward_threads, pick_device
+from formwork.gpu.rank_setup import resolve_dtype  # noqa: F401 - re-exported (bench/)
+from formwork.gpu.tensor_parallel import TPGroup, free_port, shard_config
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.scheduler import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger("formwork.executor")
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,44 +46,6 @@ class ExecutorInfo:
     cuda_graph_sizes: tuple[int, ...] = ()    # decode batch sizes replayed as graphs; () = eager only
 
 
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda" or cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' requested but torch sees no CUDA device")
-    return torch.device(name)
-
-
-def _num_blocks(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    per_block = kv_cache_bytes_per_block(mcfg.num_hidden_layers, config.block_size,
-                                         mcfg.num_key_value_heads, mcfg.head_dim, dtype)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * config.gpu_memory_utilization)
-    else:
-        budget = int(config.kv_cache_memory_gb * (1 << 30))
-    return max(2, budget // per_block)
-
-
 def _capture_decode_graphs(config: EngineConfig, model, kv, max_len: int, device: torch.device,
                            factory: GraphFactory) -> DecodeGraphRunner:
     graphs = DecodeGraphRunner(model, kv, sizes=capture_sizes(config.max_num_seqs),
@@ -94,8 +58,19 @@ def _capture_decode_graphs(config: EngineConfig, model, kv, max_len: int, device
     return graphs
 
 
+def _check_tensor_parallel(config: EngineConfig, model_dir) -> None:
+    """ValueError for what would fail on a worker (a worker failing before the
+    rendezvous would leave rank 0 waiting for it): refuse before anything is spawned."""
+    n = config.tensor_parallel_size
+    shard_config(ModelConfig.from_dir(model_dir), n)
+    if pick_device(config.device).type == "cuda" and torch.cuda.device_count() < n:
+        raise ValueError(f"tensor_parallel_size: {n} needs {n} GPUs (one per rank); torch sees "
+                         f"{torch.cuda.device_count()}")
+
+
 class Executor:
-    def __init__(self, config: EngineConfig, model_dir, *, graph_factory: GraphFactory | None = None):
+    def __init__(self, config: EngineConfig, model_dir, *, graph_factory: GraphFactory | None = None,
+                 master_addr: str = "127.0.0.1"):
         """graph_factory: tests only, stands in for CUDA-graph capture on any device
         (see gpu/cuda_graph.py); by default graphs are captured on CUDA with the
         Triton backend unless config.enforce_eager.
@@ -104,53 +79,66 @@ class Executor:
         thread. Measured on CPU (libgomp, 2 cores): once a second thread has run
         an OpenMP-parallel torch op, both threads' parallel regions lose their
         spin-wait and a bf16 decode step got ~1.6x slower; the engine thread
-        therefore keeps to small ops (grammar bitmasks, bookkeeping)."""
+        therefore keeps to small ops (grammar bitmasks, bookkeeping).
+
+        tensor_parallel_size N > 1: that worker thread is rank 0 of a
+        torch.distributed group (gloo on CPU, NCCL on CUDA) whose ranks 1..N-1
+        are processes spawned here (gpu/tp_worker.py), meeting at
+        tcp://<master_addr>:<free port>. They are local processes whatever
+        distributed_executor_backend says (that places whole engines: under
+        "ray" an engine actor's workers run on its node). Each step rank 0
+        broadcasts the plan, all ranks run the forward on their shard, rank 0
+        alone computes logits and samples (gpu/tensor_parallel.py says what is
+        sharded)."""
+        tp_size = config.tensor_parallel_size
+        if tp_size > 1:
+            _check_tensor_parallel(config, model_dir)
+        self._workers: list = []
+        self._tp: TPGroup | None = None
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="formwork-forward")
         try:
-            self._pool.submit(self._init_on_worker, config, model_dir, graph_factory).result()
+            init_method = None
+            if tp_size > 1:
+                init_method = f"tcp://{master_addr}:{free_port(master_addr)}"
+                self._workers = tp_worker.start_workers(config, model_dir, init_method)
+            self._pool.submit(self._init_on_worker, config, model_dir, graph_factory,
+                              init_method).result()
         except BaseException:
+            if self._tp is not None:
+                self._tp.destroy()
             self._pool.shutdown(wait=True)
+            tp_worker.stop_workers(self._workers, timeout=0.0)
             raise
         self._inflight: tuple[SchedulerOutput, cf.Future] | None = None
         self.timings: dict[str, float] = {}   # last step: submitted/forward_start/forward_end (perf_counter)
 
-    def _init_on_worker(self, config: EngineConfig, model_dir, graph_factory: GraphFactory | None) -> None:
+    def _init_on_worker(self, config: EngineConfig, model_dir, graph_factory: GraphFactory | None,
+                        init_method: str | None) -> None:
         t0 = time.perf_counter()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)   # per-thread OpenMP setting: here, not the caller's
-        self.device = _pick_device(config.device)
+        if (threads := forward_threads(config)) is not None:
+            torch.set_num_threads(threads)   # per-thread OpenMP setting: here, not the caller's
+        self.device = pick_device(config.device, 0 if init_method is not None else None)
+        # under TP the other ranks are this machine's other processes: no governor
         self.governor = (ThreadGovernor(torch.get_num_threads())
-                         if config.adaptive_threads and self.device.type == "cpu" else None)
-        dtype = resolve_dtype(config.dtype, self.device)
-        mcfg = ModelConfig.from_dir(model_dir)
-        backend = get_attention_backend(config.attention_backend, self.device)
-        backend_name = backend.name
-        model = load_model(model_dir, dtype=dtype, device=self.device)
-        model.attn_backend = backend
-        if config.packed_linears and packing_supported(dtype, self.device):
-            log.info("packed oneDNN linears: %d", pack_linears(model))
-        if config.fused_elementwise and self.device.type == "cpu" and dtype == torch.bfloat16 \
-                and cpu_fused_ops.available():
-            model.ops = CPU_FUSED_OPS
-        max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        if config.max_model_len and config.max_model_len > mcfg.max_position_embeddings:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {mcfg.max_position_embeddings}")
-        num_blocks = _num_blocks(config, mcfg, dtype, self.device)
-        kv = allocate_kv_cache(mcfg.num_hidden_layers, num_blocks, config.block_size,
-                               mcfg.num_key_value_heads, mcfg.head_dim, dtype, self.device)
-        factory = pick_graph_factory(self.device.type, backend.needs_groups, config.enforce_eager,
-                                     graph_factory)
+                         if config.adaptive_threads and self.device.type == "cpu"
+                         and init_method is None else None)
+        if init_method is not None:
+            self._tp = TPGroup.init(0, config.tensor_parallel_size, init_method, self.device)
+        st = build_rank(config, model_dir, self.device, self._tp)
+        # CUDA graphs stay off under TP (capturing the all-reduces is not wired up)
+        factory = pick_graph_factory(self.device.type, st.backend.needs_groups,
+                                     config.enforce_eager or self._tp is not None, graph_factory)
         graphs = None if factory is None else _capture_decode_graphs(
-            config, model, kv, max_len, self.device, factory)
+            config, st.model, st.kv_caches, st.max_model_len, self.device, factory)
         if graphs is None:
-            log.info("decode graphs: off (device %s, attention %s, enforce_eager %s)",
-                     self.device.type, backend_name, config.enforce_eager)
-        self.runner = ModelRunner(model, kv, block_size=config.block_size, device=self.device,
-                                  graphs=graphs, logprobs_mode=config.logprobs_mode)
-        self.info = ExecutorInfo(num_blocks, max_len, mcfg.vocab_size, str(self.device),
-                                 str(dtype).removeprefix("torch."),
-                                 backend_name, time.perf_counter() - t0,
+            log.info("decode graphs: off (device %s, attention %s, enforce_eager %s, tensor parallel %d)",
+                     self.device.type, st.backend.name, config.enforce_eager,
+                     config.tensor_parallel_size)
+        self.runner = ModelRunner(st.model, st.kv_caches, block_size=config.block_size,
+                                  device=self.device, graphs=graphs, logprobs_mode=config.logprobs_mode)
+        self.info = ExecutorInfo(st.num_blocks, st.max_model_len, st.vocab_size, str(self.device),
+                                 str(st.dtype).removeprefix("torch."),
+                                 st.backend.name, time.perf_counter() - t0,
                                  tuple(graphs.sizes) if graphs is not None else ())
 
     def _forward(self, plan: SchedulerOutput):
@@ -160,6 +148,9 @@ class Executor:
                      self.governor.others)
         self.timings["forward_start"] = time.perf_counter()
         try:
+            if self._tp is not None:
+                tp_worker.check_workers(self._workers)
+                self._tp.broadcast_plan(plan)
             return self.runner.execute_model(plan)
         finally:
             self.timings["forward_end"] = time.perf_counter()
@@ -192,4 +183,19 @@ class Executor:
                 pass
 
     def shutdown(self) -> None:
+        """Idempotent. Under TP: tells the workers to stop, waits for them (ending
+        those that hang), leaves the process group."""
+        if self._tp is not None:
+            tp, self._tp = self._tp, None
+            try:
+                self._pool.submit(self._stop_ranks, tp).result(timeout=tp_worker.JOIN_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a dead worker: end the rest below
+                log.warning("tensor-parallel shutdown: a worker did not take the stop message")
+        tp_worker.stop_workers(self._workers)
+        self._workers = []
         self._pool.shutdown(wait=True)
+
+    def _stop_ranks(self, tp: TPGroup) -> None:
+        if all(p.is_alive() for p in self._workers):
+            tp.broadcast_plan(None)
+        tp.destroy()

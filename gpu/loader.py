@@ -137,13 +137,17 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype, device: torch.device,
-               attn_backend=None):
+               attn_backend=None, tp=None):
     """Build `LlamaForCausalLM` from `model_dir`/config.json and its safetensors.
     `attn_backend` (an AttentionBackend) defaults to the torch backend; it can
-    also be swapped later through `model.attn_backend`."""
+    also be swapped later through `model.attn_backend`. With `tp` (a
+    gpu.tensor_parallel.TPGroup) the model is this rank's shard: the full
+    checkpoint is read, then sliced (fine for small models; a per-rank read of
+    only its slices would matter for large ones)."""
     from safetensors.torch import load_file
 
     from formwork.gpu.model import LlamaForCausalLM, ModelConfig
+    from formwork.gpu.tensor_parallel import parallelize, shard_config, shard_hf_weights
 
     model_dir = pathlib.Path(model_dir)
     check_model_dir(model_dir)
@@ -151,7 +155,12 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype, device: torc
     hf_weights: dict[str, torch.Tensor] = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
         hf_weights.update(load_file(str(shard)))
+    if tp is not None:
+        hf_weights = shard_hf_weights(hf_weights, config, tp.rank, tp.size)
+        config = shard_config(config, tp.size)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attn_backend)
     model.load_hf_weights(hf_weights, dtype=dtype, device=torch.device(device))
+    if tp is not None:
+        parallelize(model, tp)
     return model.eval()

@@ -52,8 +52,12 @@ def _token_seed(seed: int, output_index: int) -> int:
 
 class ModelRunner:
     def __init__(self, model, kv_caches, *, block_size: int, device: torch.device,
-                 graphs: DecodeGraphRunner | None = None, logprobs_mode: str = "raw_logprobs"):
+                 graphs: DecodeGraphRunner | None = None, logprobs_mode: str = "raw_logprobs",
+                 samples: bool = True):
+        """samples=False: a tensor-parallel rank other than 0, which runs the forward
+        (its K/V shard) but computes no logits and never samples."""
         self.model = model
+        self.samples = samples
         self.graphs = graphs            # captured decode graphs; None -> every step eager
         self.step_paths: collections.Counter[str] = collections.Counter()  # "graph" / "eager" forwards
         self.kv_caches = kv_caches      # list per layer of (k_cache, v_cache)
@@ -126,12 +130,15 @@ class ModelRunner:
     # -- forward ---------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> torch.Tensor | None:
-        """Runs the forward; returns logits [S, V] float32 for the sampled rows."""
+        """Runs the forward; returns logits [S, V] float32 for the sampled rows (None
+        when nothing is sampled, and always on a rank with samples=False)."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return None
         inp = self._prepare(so)
         hidden = self._forward(inp)
+        if not self.samples:
+            return None
         self._plp_step = (so, self._prompt_logprobs(so, hidden))
         if not inp.sample_req_ids:
             return None
