@@ -41,8 +41,9 @@ _ENGINE_ENV = {"GOMP_SPINCOUNT": "30000"}
 
 def connect(address: str | None = None) -> None:
     """Join the Ray cluster at `address` (or RAY_ADDRESS, or the one `ray start`
-    left on this machine); with none running, start a local one bound to the
-    loopback address."""
+    left on this machine). No cluster is started here: a local Ray started from
+    a driver listens on every interface of the machine, which a server must not
+    do unasked; `ray start --head` says where it listens."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
@@ -52,12 +53,11 @@ def connect(address: str | None = None) -> None:
     saved = signal.getsignal(signal.SIGTERM) if main else None
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-    except ConnectionError:
-        if address != "auto":
-            raise
-        log.info("no Ray cluster running: starting a local one on 127.0.0.1")
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=False)
+    except ConnectionError as e:
+        raise RuntimeError(
+            f"distributed_executor_backend 'ray': no Ray cluster at {address!r} ({e}). Start "
+            "one first (`ray start --head`, then `ray start --address <head>:6379` on the "
+            "other machines) and set RAY_ADDRESS; README 'Scaling out'") from None
     finally:
         if main and saved is not None:
             signal.signal(signal.SIGTERM, saved)
