@@ -29,7 +29,7 @@ def parent_id(engine_request_id: str) -> str:
 
 class EngineProcessGroup:
     def __init__(self, config: EngineConfig, *, ready_timeout_s: float = 900.0,
-                 launcher: Launcher | None = None) -> None:
+                 launcher: Launcher | None = None, bind_host: str | None = None) -> None:
         """Starts every engine, then loads the tokenizer once while they load the model."""
         from formwork.core.tokenizer import load_tokenizer
 
@@ -40,7 +40,8 @@ class EngineProcessGroup:
             for i in range(size):
                 self.engines.append(EngineProcess(
                     dp_engine_config(config, i), ready_timeout_s=ready_timeout_s,
-                    launcher=rank_launcher(i, size, launcher), wait=False))
+                    launcher=rank_launcher(i, size, launcher), bind_host=bind_host,
+                    wait=False))
             self.tokenizer = load_tokenizer(config.model)
             for e in self.engines:
                 e.tokenizer = self.tokenizer

@@ -39,18 +39,19 @@ class EngineDiedError(RuntimeError):
 
 class EngineProcess:
     def __init__(self, config: EngineConfig, *, ready_timeout_s: float = 900.0,
-                 launcher: Launcher | None = None, tokenizer=None,
-                 wait: bool = True) -> None:
+                 launcher: Launcher | None = None, bind_host: str | None = None,
+                 tokenizer=None, wait: bool = True) -> None:
         """`tokenizer`: given (shared by several engines) or loaded here while the
         engine loads the model. `wait=False` returns once the process is
         started; then `wait_ready()` must be called before anything else (several
-        engines load at once)."""
+        engines load at once). `launcher`/`bind_host`: as EngineClient's (a Ray
+        actor over TCP, gateway/engine_factory.py)."""
         self.config = config
         self._tmpdir = make_ipc_dir()
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._out = self._ctx.socket(zmq.PULL)
-        in_addr, out_addr = bind_pair(self._in, self._out, self._tmpdir, None)
+        in_addr, out_addr = bind_pair(self._in, self._out, self._tmpdir, bind_host)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._pending: set[str] = set()          # engine request ids not finished yet

@@ -44,15 +44,14 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_kwargs)
         if engine_process is None:
             engine_process = _engine_process_default()
-        if self.config.data_parallel_size > 1:
-            if not engine_process:
-                raise ValueError("data_parallel_size > 1 runs engines in their own processes: "
-                                 "leave engine_process at its default (True)")
-            from formwork.gateway.dp_offline import EngineProcessGroup
-            self.engine = EngineProcessGroup(self.config)
-        elif engine_process:
-            from formwork.gateway.engine_process import EngineProcess
-            self.engine = EngineProcess(self.config)
+        self._release = lambda: None
+        if (self.config.data_parallel_size > 1
+                or self.config.distributed_executor_backend == "ray") and not engine_process:
+            raise ValueError("data_parallel_size > 1 and the ray backend run engines in their own "
+                             "processes: leave engine_process at its default (True)")
+        if engine_process:
+            from formwork.gateway.engine_factory import make_engine_process
+            self.engine, self._release = make_engine_process(self.config)
         else:
             from formwork.core.engine_core import EngineCore
             self.engine = EngineCore(self.config)
@@ -179,3 +178,4 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self._release()          # the Ray backend's placement group

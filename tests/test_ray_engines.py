@@ -143,3 +143,28 @@ def test_no_room_is_a_clear_error(two_node_cluster):
     with pytest.raises(RuntimeError, match="no room"):
         ray_engines.RayEngineLauncher(config, 1, ready_timeout_s=2)
 
+
+
+def test_offline_llm_on_ray_engines_matches_one_local_engine(two_node_cluster, tiny_model_dir):
+    """LLM(distributed_executor_backend="ray", data_parallel_size=2): the engines are
+    Ray actors on both nodes, the outputs are the in-process engine's (fp32 greedy),
+    and shutdown removes the placement group."""
+    from ray.util import placement_group_table
+
+    from formwork import LLM, SamplingParams
+
+    kw = dict(dtype="float32", kv_cache_memory_gb=0.05, num_threads=1, max_model_len=128)
+    prompts = [f"Item {i}: the value is" for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    local = LLM(str(tiny_model_dir), engine_process=False, **kw)
+    want = [o.outputs[0].token_ids for o in local.generate(prompts, params, use_tqdm=False)]
+    local.shutdown()
+    llm = LLM(str(tiny_model_dir), distributed_executor_backend="ray", data_parallel_size=2, **kw)
+    try:
+        nodes = {e._proc.node_id for e in llm.engine.engines if e._proc.wait_placed(60)}
+        assert len(nodes) == 2
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
