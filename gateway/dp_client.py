@@ -152,7 +152,27 @@ class DPEngineClient:
     # -- requests ----------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Route to one engine (all n choices there), then as EngineClient.generate."""
+        """Route to one engine (all n choices there), then as EngineClient.generate. A
+        request whose engine died before it yielded anything is routed again, once,
+        to an engine that is ready (the others keep serving while it restarts)."""
+        for attempt in (0, 1):
+            produced = False
+            try:
+                async with contextlib.aclosing(self._generate_on_one(
+                        request_id, prompt, prompt_token_ids, params)) as gen:
+                    async for ro in gen:
+                        produced = True
+                        yield ro
+                return
+            except EngineDeadError as e:
+                if produced or not e.before_output or attempt == 1 or not any(self._ready()):
+                    raise
+                log.info("%s: its engine died before it produced anything; routed again",
+                         request_id)
+
+    async def _generate_on_one(self, request_id: str, prompt: str | None,
+                               prompt_token_ids: list[int], params: SamplingParams
+                               ) -> AsyncIterator[RequestOutput]:
         try:
             index, reason = self.router.route(prompt_token_ids, self._ready())
         except ValueError:
@@ -162,7 +182,7 @@ class DPEngineClient:
                             params.n)
         try:
             async with contextlib.aclosing(self.engines[index].generate(
-                    request_id, prompt, prompt_token_ids, params)) as gen:
+                    request_id, prompt, prompt_token_ids, params, replay=False)) as gen:
                 async for ro in gen:
                     self.router.progressed(request_id, max(
                         (len(c.delta_token_ids) for c in ro.outputs), default=0))

@@ -35,6 +35,7 @@ from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineC
 from formwork.schemas.sampling import SamplingParams
 
 log = logging.getLogger("formwork.gateway")
+REPLAY_WAIT_S = 60.0      # how long a request that produced nothing waits for a restart
 
 
 class EngineRequestError(APIError):
@@ -255,8 +256,45 @@ class EngineClient:
 
     # -- public API --------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield RequestOutputs (with deltas) until finished. Leaving early aborts it."""
+                       params: SamplingParams, *, replay: bool = True
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutputs (with deltas) until finished. Leaving early aborts it.
+
+        A request the engine's death ended before it yielded anything (it was
+        queued, or in prefill) is sent again to the restarted engine, once, if
+        the restart takes at most REPLAY_WAIT_S; with `replay=False` (the DP
+        client, which re-routes it instead) it gets EngineDeadError with
+        `before_output` set. One that yielded output gets the 503."""
+        replayed = False
+        while True:
+            produced = False
+            try:
+                async with contextlib.aclosing(self._generate_once(
+                        request_id, prompt, prompt_token_ids, params)) as gen:
+                    async for item in gen:
+                        produced = True
+                        yield item
+                return
+            except EngineDeadError as e:
+                e.before_output = not produced and e.after_send
+                if not (e.before_output and replay and not replayed) or not await self._until_ready():
+                    raise
+                replayed = True
+                log.info("%s: the engine died before it produced anything; sent again", request_id)
+
+    async def _until_ready(self) -> bool:
+        """Wait (at most REPLAY_WAIT_S) for a restarted engine; False if it is not back."""
+        deadline = time.monotonic() + REPLAY_WAIT_S
+        while self.state != "ready" or self.dead:
+            if self.state in ("ready", "failed") or self._closing or self._ending is not None \
+                    or time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    async def _generate_once(self, request_id: str, prompt: str | None,
+                             prompt_token_ids: list[int], params: SamplingParams
+                             ) -> AsyncIterator[RequestOutput]:
         if self._ending is not None:
             raise self._ending()
         if self.dead:
@@ -271,6 +309,8 @@ class EngineClient:
                 await self._send(InputMessage(add=er))
             while not finished:
                 item = await q.get()
+                if isinstance(item, EngineDeadError):
+                    item.after_send = True
                 if isinstance(item, Exception):
                     raise item
                 errors = [c.error for c in item.outputs if c.finish_reason == "error"]

@@ -53,6 +53,8 @@ class EngineDeadError(APIError):
                  retry_after_s: int = 5) -> None:
         super().__init__(503, message, type="service_unavailable_error", code="engine_unavailable")
         self.retry_after_s = retry_after_s
+        self.after_send = False        # the engine died holding the request (gateway/engine_client.py)
+        self.before_output = False     # ... and it had yielded nothing: it may be sent again
 
 
 class ServerShuttingDownError(APIError):

@@ -151,7 +151,7 @@ class FakeEngine:
         self.seen: list[tuple[str, int]] = []
         self.aborted: list[str] = []
 
-    async def generate(self, request_id, prompt, ids, params):
+    async def generate(self, request_id, prompt, ids, params, replay=True):
         self.seen.append((request_id, params.n))
         for step in range(self.steps):
             await asyncio.sleep(0)
@@ -178,6 +178,33 @@ def _dp(engines):
 async def _drain(agen) -> list:
     async with contextlib.aclosing(agen) as gen:
         return [ro async for ro in gen]
+
+
+def test_a_request_whose_engine_died_before_output_is_routed_again():
+    """It was queued (nothing yielded) when its engine died: the other engine serves
+    it; one that had yielded output gets the 503."""
+    class DiesFirst(FakeEngine):
+        async def generate(self, request_id, prompt, ids, params, replay=True):
+            assert replay is False                        # the DP client re-routes itself
+            self.seen.append((request_id, params.n))
+            self.state = "restarting"                     # dead: not ready from now on
+            e = EngineDeadError()
+            e.after_send = e.before_output = True
+            raise e
+            yield                                         # an async generator
+
+    async def main():
+        e0, e1 = DiesFirst(), FakeEngine()
+        dp = _dp([e0, e1])
+        outs = await _drain(dp.generate("q", None, prompt(1), SamplingParams(max_tokens=3)))
+        assert outs[-1].finished and e0.seen == [("q", 1)] and e1.seen == [("q", 1)]
+        assert [(e.requests, e.tokens) for e in dp.router.engines] == [(0, 0), (0, 0)]
+        e1.fail, e0.state = True, "restarting"             # a death after output: no retry
+        with pytest.raises(EngineDeadError):
+            await _drain(dp.generate("r", None, prompt(2), SamplingParams(max_tokens=3)))
+        await asyncio.gather(*(e.shutdown() for e in dp._real))
+
+    asyncio.run(main())
 
 
 def test_dp_client_routes_counts_and_aborts():

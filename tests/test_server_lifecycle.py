@@ -54,10 +54,12 @@ def test_engine_death_gives_503_then_the_engine_comes_back(tiny_model_dir):
             old = _engine_pid(server)
             with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=long,
                               headers=auth, timeout=60) as stream:
-                lines = stream.iter_lines()
-                assert next(lines).startswith("data: ")          # the stream is flowing
+                lines = (x for x in stream.iter_lines() if x)
+                # the role chunk, then tokens: the request has produced output (one
+                # that had not would be sent again to the new engine)
+                assert all(next(lines).startswith("data: ") for _ in range(3))
                 os.kill(old, signal.SIGKILL)
-                rest = [x for x in lines if x]
+                rest = list(lines)
             assert any('"engine_unavailable"' in x for x in rest), rest[-3:]   # an error event
             assert rest[-1] == "data: [DONE]"
             killed = time.monotonic()
@@ -80,6 +82,47 @@ def test_engine_death_gives_503_then_the_engine_comes_back(tiny_model_dir):
         rc = server.stop(signal.SIGTERM)
     assert rc == 0, server.logs()                     # SIGTERM drains, then exits 0
     assert "Application shutdown complete" in server.logs()
+
+
+def test_requests_queued_at_an_engine_death_are_served_by_the_new_engine(tiny_model_dir):
+    """kill -9 while one request runs and three wait in the engine's queue
+    (max_num_seqs 1): the running stream gets the 503 error event, the queued ones,
+    which had produced nothing, are sent again to the restarted engine and succeed."""
+    # the real model: its stream lasts long enough for the three to queue behind it
+    server = Server("--max-num-seqs", "1", "--max-model-len", "512", "--kv-cache-memory-gb",
+                    "0.25", "--served-model-name", "tiny")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "ignore_eos": True}
+    try:
+        results: list[httpx.Response] = []
+
+        def queued(i: int) -> None:
+            results.append(httpx.post(f"{server.url}/v1/chat/completions", headers=auth, timeout=120,
+                                      json={**body, "messages": [{"role": "user", "content": f"q{i}"}]}))
+
+        long = {**body, "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=long, headers=auth,
+                          timeout=120) as stream:
+            lines = (x for x in stream.iter_lines() if x)
+            assert all(next(lines).startswith("data: ") for _ in range(3))    # tokens flow
+            threads = [threading.Thread(target=queued, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while metrics(server).get('vllm:num_requests_waiting{model_name="tiny"}', 0) < 3:
+                assert time.monotonic() < deadline, "the three never queued"
+                time.sleep(0.05)
+            os.kill(_engine_pid(server), signal.SIGKILL)
+            rest = list(lines)
+        assert any('"engine_unavailable"' in x for x in rest), rest[-3:]
+        for t in threads:
+            t.join(120)
+        assert [r.status_code for r in results] == [200, 200, 200], [r.text for r in results]
+        assert all(r.json()["usage"]["completion_tokens"] == 4 for r in results)
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["engine_restarts"] == 1
+    finally:
+        server.stop(signal.SIGTERM)
 
 
 def test_engine_exits_when_server_is_killed(tiny_model_dir):
