@@ -96,12 +96,28 @@ def _reorder(instance, schema, root, strip: bool = False):
     `strip`, without undeclared keys (best effort, for attributing rejections)."""
     from formwork.grammar.schema_walk import resolve_local_ref
 
-    for _ in range(8):
-        if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
-            target = resolve_local_ref(root, schema["$ref"])
-            schema = target[0] if target else None
+    def deref(node):
+        for _ in range(8):
+            if isinstance(node, dict) and isinstance(node.get("$ref"), str):
+                target = resolve_local_ref(root, node["$ref"])
+                node = target[0] if target else None
+        return node
+
+    def candidates(node, depth=0):   # the node and its anyOf/oneOf/allOf branches
+        node = deref(node)
+        if not isinstance(node, dict):
+            return []
+        out = [node]
+        for kw in ("anyOf", "oneOf", "allOf"):
+            if depth < 3 and isinstance(node.get(kw), list):
+                out += [c for b in node[kw] for c in candidates(b, depth + 1)]
+        return out
+
+    schema = deref(schema)
     if isinstance(instance, dict) and isinstance(schema, dict):
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        declared = [c["properties"] for c in candidates(schema)
+                    if isinstance(c.get("properties"), dict)]
+        props = max(declared, key=lambda p: len(p.keys() & instance.keys()), default={})
         extra = [] if strip and props else [k for k in instance if k not in props]
         order = [k for k in props if k in instance] + extra
         return {k: _reorder(instance[k], props.get(k), root, strip) for k in order}

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import jsonschema
 import llguidance as llg
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -37,10 +38,11 @@ from formwork.grammar.schema_check import (
     locate_keyword,
     native_schema_error,
 )
+from formwork.grammar.schema_formats import backend_format, raise_lowest_bound
 from formwork.grammar.schema_normalize import map_subschemas, normalize
-from formwork.grammar.schema_oneof import pairwise_disjoint
+from formwork.grammar.schema_oneof import inferred_types, pairwise_disjoint
 from formwork.grammar.schema_rewrites import close_declared
-from formwork.grammar.schema_walk import iter_nodes, validator_class
+from formwork.grammar.schema_walk import iter_nodes, map_ref_targets, validator_class
 from formwork.grammar.structural_tag import triggered_tags
 from formwork.grammar.vocab import TokenVocab
 from formwork.schemas.structured import StructuredOutputsParams
@@ -56,6 +58,12 @@ _SOUND = {"lenient": False, "coerce_one_of": False}
 # bounds one mask step. A matcher that errors anyway ends its request with the
 # error (never an unconstrained or truncated output).
 LIMITS = dict(step_lexer_fuel=2_000_000, initial_lexer_fuel=10_000_000)
+# The formats llguidance 1.9.1 implements (measured: the others are "Unknown format").
+FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4",
+                     "ipv6", "uri", "uuid"})
+# Measured: a lower bound at or below -2**63 + 512 fails to build ("Failed to generate
+# regex for integer range"), e.g. int64's minimum; it is raised to this instead.
+LOWEST_BOUND = -(2**63) + 1024
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
 _FORMAT = re.compile(r"Unknown format: (\S+)")
 _MISSING_REF = re.compile(r"Pointer '([^']*)' does not exist")
@@ -105,7 +113,12 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
 
 
 def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
-    """`schema` as generated: objects closed to their declared properties by default."""
+    """`schema` as generated: objects closed to their declared properties by default,
+    formats as llguidance serves them (`backend_format`)."""
+    if isinstance(schema, dict):
+        draft3 = validator_class(schema) is jsonschema.Draft3Validator
+        schema = map_subschemas(schema, lambda n: raise_lowest_bound(
+            backend_format(n, FORMATS, draft3), LOWEST_BOUND))
     if params.additional_properties == "declared" and isinstance(schema, dict) \
             and '"allOf"' not in json.dumps(schema):    # closing allOf branches would clash
         schema = map_subschemas(schema, close_declared)
@@ -130,7 +143,7 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
     if not error:
         return schema, grammar
     normalized = normalize(schema)
-    for rewritten in (normalized, _disjoint_one_of_as_any_of(normalized)):
+    for rewritten in (normalized, _disjoint_one_of_as_any_of(_state_types(normalized))):
         if rewritten is not schema and isinstance(rewritten, dict):
             grammar = _json_grammar(rewritten, params)
             if not _grammar_error(grammar):
@@ -170,6 +183,29 @@ def _structural_tag_lark(spec: Any, params: StructuredOutputsParams) -> str:
     return "\n".join(lines)
 
 
+_VALUES = frozenset({"enum", "const", "default", "examples"})   # data, never schemas
+
+
+def _state_types(root: Any) -> Any:
+    """`state_inferred_type` on every subschema, `$ref` targets anywhere included."""
+    if not isinstance(root, dict):
+        return root
+    root = map_subschemas(root, state_inferred_type)
+    return map_ref_targets(root, lambda n: map_subschemas(n, state_inferred_type),
+                           skip=lambda parts: False)
+
+
+def state_inferred_type(node: dict) -> dict:
+    """`node` with the type formwork's oneOf proofs assume it generates (`object`
+    for `properties`, `array` for `items`, as xgrammar infers) stated: llguidance
+    generates every type for a node without `type`, and `"x"` passes two untyped
+    object branches, so it is no member of their oneOf. Stricter only on values
+    of other types."""
+    types = inferred_types(node)
+    return node | {"type": next(iter(types))} if "type" not in node and types is not None \
+        and len(types) == 1 else node
+
+
 def _disjoint_one_of_as_any_of(root: Any) -> Any:
     """`root` with each oneOf whose branches formwork proves pairwise disjoint
     spelled anyOf (the same language); llguidance proves fewer of them itself."""
@@ -177,11 +213,19 @@ def _disjoint_one_of_as_any_of(root: Any) -> Any:
         return root
     validator = validator_class(root)(root)
 
-    def rewrite(node: dict) -> dict:
-        if "oneOf" in node and "anyOf" not in node and pairwise_disjoint(node["oneOf"], root, validator):
+    def rewrite(node: Any) -> Any:
+        """Every object of the document, not only the subschemas map_subschemas
+        knows: a `$ref` may point anywhere (`#/onvif/ptz/SpaceSelector`)."""
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        node = {k: v if k in _VALUES else rewrite(v) for k, v in node.items()}
+        if isinstance(node.get("oneOf"), list) and "anyOf" not in node and \
+                pairwise_disjoint(node["oneOf"], root, validator):
             node = {("anyOf" if k == "oneOf" else k): v for k, v in node.items()}
         return node
-    return map_subschemas(root, rewrite)
+    return rewrite(root)
 
 
 # Grammars already checked: `auto` checks a constraint, then the compile pool

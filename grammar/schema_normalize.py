@@ -2,17 +2,15 @@
 
 xgrammar ignores keywords next to allOf/anyOf/oneOf and enforces only single-
 branch allOf. Two rewrites keep the meaning of the schema exactly and remove
-those shapes where possible:
+those shapes where possible (`merge`: grammar/schema_merge.py):
 - `{S, allOf: [B1..Bn]}` -> `merge(S, B1, ..., Bn)` (local `$ref` branches inlined);
 - `{S, anyOf|oneOf: [B1..Bn]}` -> `{anyOf|oneOf: [merge(S, B1), ...]}`: x satisfies
   S and (exactly) one Bi iff x satisfies (exactly) one `S and Bi`.
-`merge` gives up (returns None) whenever a plain union of keywords would not
-mean "both": keywords that interact across the two schemas (patternProperties
-with additionalProperties, items with prefixItems, if/then/else, ...) or the
-same keyword with different values it cannot combine. It does combine
-`properties` into a side with additionalProperties (a name only the other side
-declares gets both schemas), two `not`s, and drops vacuous `{}` members.
-Each node also goes through the one-node rewrites of `schema_rewrites`; a last
+Each node also goes through the one-node rewrites of `schema_rewrites` and
+`schema_not`, if/then/else on a listed discriminator (`schema_ifthen`), and
+oneOf branches lose the values two of them share (`schema_oneof_empty`) or
+become an anyOf over which properties are present (`schema_oneof_presence`). `$ref`
+targets no keyword leads to (`#/definitions/a/b`) are normalized too. A last
 pass only splits untyped nodes (`split_typeless`), once anyOf/oneOf siblings
 have been pushed down. The input is not mutated.
 """
@@ -23,145 +21,35 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from formwork.grammar.schema_oneof import inferred_types
+from formwork.grammar.schema_ifthen import expand_if_then
+from formwork.grammar.schema_merge import ANNOTATIONS, merge  # noqa: F401 (merge re-exported)
+from formwork.grammar.schema_not import rewrite_not
+from formwork.grammar.schema_oneof import inferred_types, pairwise_disjoint
+from formwork.grammar.schema_oneof_empty import separate_empty, separate_listed_strings
+from formwork.grammar.schema_oneof_presence import presence_one_of
 from formwork.grammar.schema_rewrites import (
     complete_array,
     declare_required,
     drop_inapplicable,
+    drop_vacuous_unique,
     expand_dependencies,
     filter_enum,
     forbid_property,
     fold_pattern_lengths,
     split_typeless,
 )
-from formwork.grammar.schema_walk import is_legacy_draft, resolve_local_ref, validator_class
+from formwork.grammar.schema_walk import (
+    is_legacy_draft,
+    map_ref_targets,
+    resolve_local_ref,
+    validator_class,
+)
 
-ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment",
-                         "deprecated", "readOnly", "writeOnly", "$id", "id", "$schema"})
 _STAY = ANNOTATIONS | {"$defs", "definitions"}   # never pushed into branches
-_LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
-_UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
-_OBJECT_GROUP = frozenset({"properties", "patternProperties", "additionalProperties",
-                           "unevaluatedProperties", "propertyNames"})
-_ARRAY_GROUP = frozenset({"items", "prefixItems", "additionalItems", "unevaluatedItems",
-                          "contains"})
-_VACUOUS = frozenset({"additionalProperties", "propertyNames", "items", "additionalItems"})
 _CHILD_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _CHILD_ONE = ("additionalProperties", "items", "contains", "propertyNames", "not", "if",
               "then", "else", "unevaluatedProperties", "unevaluatedItems")
 _CHILD_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-
-
-def _intersect_types(a: Any, b: Any) -> list[str] | None:
-    ta, tb = ([a] if isinstance(a, str) else a), ([b] if isinstance(b, str) else b)
-    out = []
-    for t in ta:
-        if t in tb or (t == "integer" and "number" in tb):
-            out.append(t)
-        elif t == "number" and "integer" in tb:
-            out.append("integer")
-    return list(dict.fromkeys(out)) or None
-
-
-def _merge_key(key: str, va: Any, vb: Any, legacy: bool) -> tuple[bool, Any]:
-    """(ok, merged value) for a keyword present in both schemas."""
-    if va == vb or key in ANNOTATIONS:
-        return True, va
-    if key == "type":
-        t = _intersect_types(va, vb)
-        return t is not None, (t[0] if t and len(t) == 1 else t)
-    if key == "not":                       # (not A) and (not B) = not (A or B)
-        return True, {"anyOf": [va, vb]}
-    if key == "required" and isinstance(va, list) and isinstance(vb, list):
-        return True, list(dict.fromkeys(va + vb))
-    if key == "properties" and isinstance(va, dict) and isinstance(vb, dict):
-        out = dict(va)
-        for name, sb in vb.items():
-            m = merge(out[name], sb, legacy) if name in out else sb
-            if m is None:
-                return False, None
-            out[name] = m
-        return True, out
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
-    if numbers and key in _LOWER:
-        return True, max(va, vb)
-    if numbers and key in _UPPER:
-        return True, min(va, vb)
-    return False, None
-
-
-def _properties_into_additional(a: dict, b: dict, legacy: bool) -> tuple[dict, dict] | None:
-    """(a, b) with the `properties` of one side moved into the other when that
-    other side's object keywords are additionalProperties (and properties): a
-    name only the moved side declares was governed by additionalProperties, so
-    it gets both schemas (or stays forbidden). None if a merge fails."""
-    for x, y in ((a, b), (b, a)):
-        xg, yg = _OBJECT_GROUP & x.keys(), _OBJECT_GROUP & y.keys()
-        if yg != {"properties"} or xg not in ({"additionalProperties"},
-                                              {"properties", "additionalProperties"}):
-            continue
-        extra, props = x["additionalProperties"], x.get("properties", {})
-        if not isinstance(props, dict) or not isinstance(y["properties"], dict):
-            return None
-        props = dict(props)
-        for name, sy in y["properties"].items():
-            if name not in props and extra is False:
-                continue
-            m = merge(props.get(name, {} if extra is True else extra), sy, legacy)
-            if m is None:
-                return None
-            props[name] = m
-        return dict(x, properties=props), {k: v for k, v in y.items() if k != "properties"}
-    return a, b
-
-
-def _drop_vacuous(node: dict, group: frozenset[str], other: dict) -> dict:
-    """`node` without the members of `group` that constrain nothing (`{}`/true),
-    unless an unevaluated* keyword on either side could see their annotations."""
-    if {"unevaluatedProperties", "unevaluatedItems"} & (node.keys() | other.keys()):
-        return node
-    return {k: v for k, v in node.items()
-            if not (k in group and k in _VACUOUS and v in (True, {}))}
-
-
-def merge(a: Any, b: Any, legacy: bool = False) -> dict | None:
-    """A schema meaning `allOf: [a, b]` made of one object, or None. In drafts 3-7
-    (`legacy`) keywords next to `$ref` are ignored, so nothing merges into one."""
-    if a is True or a == {}:
-        return b if isinstance(b, dict) else {} if b is True else None
-    if b is True or b == {}:
-        return a if isinstance(a, dict) else None
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return None
-    if ("$ref" in a and "$ref" in b) or (legacy and ("$ref" in a or "$ref" in b)):
-        return None
-    if any(k in a and k in b for k in ("if", "then", "else")):
-        return None
-    if {"const", "enum"} & a.keys() and {"const", "enum"} & b.keys() and \
-            (a.get("const"), a.get("enum")) != (b.get("const"), b.get("enum")):
-        return None
-    for group in (_OBJECT_GROUP, _ARRAY_GROUP):
-        if group & a.keys() and group & b.keys():
-            a, b = _drop_vacuous(a, group, b), _drop_vacuous(b, group, a)
-    pair = _properties_into_additional(a, b, legacy)
-    if pair is None:
-        return None
-    a, b = pair
-    for group in (_OBJECT_GROUP, _ARRAY_GROUP):
-        ga, gb = group & a.keys(), group & b.keys()
-        if ga and gb and not (ga == gb == {"properties"}) and \
-                any(a.get(k) != b.get(k) for k in ga | gb):
-            return None
-    out = dict(a)
-    for key, vb in b.items():
-        if key in out:
-            ok, value = _merge_key(key, out[key], vb, legacy)
-            if not ok:
-                return None
-            out[key] = value
-        else:
-            out[key] = vb
-    return out
 
 
 def _resolve(branch: Any, root: Any) -> Any:
@@ -178,7 +66,6 @@ class _Ctx:
     root: Any
     legacy: bool
     validator: Any              # jsonschema validator over `root`
-    known: frozenset[str]       # keywords `root`'s draft defines
     final: bool = False         # the last pass: only `split_typeless`
 
     def merge(self, a: Any, b: Any) -> dict | None:
@@ -189,14 +76,20 @@ def _rewrite_keywords(node: dict, ctx: _Ctx) -> dict | bool:
     if ctx.final:
         return split_typeless(node, _STAY)
     out = filter_enum(node, ctx.validator)
+    if out is not False:
+        out = rewrite_not(out, _STAY)
     if out is False:
         return False
-    out = fold_pattern_lengths(declare_required(complete_array(drop_inapplicable(out))))
-    return expand_dependencies(out, ctx.known, ctx.merge, _STAY)
+    out = fold_pattern_lengths(declare_required(complete_array(drop_vacuous_unique(
+        drop_inapplicable(out)))))
+    return expand_dependencies(out, ctx.merge, _STAY)
 
 
 def _rewrite(node: dict, ctx: _Ctx) -> dict | bool:
     root, legacy = ctx.root, ctx.legacy
+    if not ctx.final and ("if" in node or '"if"' in json.dumps(node.get("allOf", []))):
+        split = expand_if_then(node, ctx.merge, lambda b: _resolve(b, root), ctx.validator, _STAY)
+        node = split if split is not None else node
     if isinstance(node.get("allOf"), list) and not ctx.final:
         merged: Any = {k: v for k, v in node.items() if k != "allOf"}
         for branch in node["allOf"]:
@@ -214,6 +107,17 @@ def _rewrite(node: dict, ctx: _Ctx) -> dict | bool:
             branches = [merge(rest, _resolve(b, root), legacy) for b in node[kw]]
             if all(b is not None for b in branches):
                 node = {k: v for k, v in node.items() if k in _STAY} | {kw: branches}
+    if isinstance(node.get("oneOf"), list) and not ctx.final:
+        branches = [_resolve(b, root) for b in node["oneOf"]]
+        separated = separate_empty(branches)
+        listed = separate_listed_strings(separated or branches, ctx.validator)
+        if listed is not None or separated is not None:
+            node = node | {"oneOf": listed or separated}
+        if set(node) - _STAY == {"oneOf"} and \
+                not pairwise_disjoint(node["oneOf"], root, ctx.validator):
+            presence = presence_one_of([_resolve(b, root) for b in node["oneOf"]], _STAY)
+            if presence is not None:
+                node = {k: v for k, v in node.items() if k in _STAY} | {"anyOf": presence}
     return node
 
 
@@ -240,17 +144,21 @@ def _normalize(node: Any, ctx: _Ctx, depth: int) -> Any:
 
 
 def _forbid_impossible(out: dict, node: dict) -> dict:
-    """Properties whose schema became `false` (xgrammar refuses it) are forbidden
-    instead, or get their original schema back (and stay flagged)."""
+    """Properties whose schema is `false` (xgrammar refuses it) are forbidden
+    instead: always when the object is closed, and when it became `false` here
+    (else it gets its original schema back and stays flagged)."""
     props = out.get("properties")
     if not isinstance(props, dict) or False not in props.values():
         return out
-    for name in [k for k, v in props.items() if v is False and node["properties"][k] is not False]:
+    for name in [k for k, v in props.items() if v is False]:
+        written = node["properties"].get(name, False) is False
+        if written and out.get("additionalProperties") is not False:
+            continue                       # forbidding would close an open object
         forbidden = forbid_property(out, name)
-        if forbidden is None:
-            out = dict(out, properties=out["properties"] | {name: node["properties"][name]})
-        else:
+        if forbidden is not None:
             out = forbidden
+        elif not written:
+            out = dict(out, properties=out["properties"] | {name: node["properties"][name]})
     return out
 
 
@@ -275,7 +183,13 @@ def map_subschemas(schema: Any, fn: Callable[[dict], Any]) -> Any:
 
 def _context(root: dict, final: bool = False) -> _Ctx:
     cls = validator_class(root)
-    return _Ctx(root, is_legacy_draft(root), cls(root), frozenset(cls.VALIDATORS), final)
+    return _Ctx(root, is_legacy_draft(root), cls(root), final)
+
+
+def _standard_location(parts: list[str]) -> bool:
+    """A pointer the keyword walk reaches (`#/$defs/Name`, `#/properties/a`)."""
+    return len(parts) <= 2 and parts[0] in _CHILD_MAPS or all(
+        p in _CHILD_ONE for p in parts)
 
 
 def normalize(schema: Any) -> Any:
@@ -285,6 +199,9 @@ def normalize(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = _normalize(schema, _context(schema), 0)
+    if isinstance(out, dict):              # `$ref` targets where no keyword leads
+        ctx = _context(out)
+        out = map_ref_targets(out, lambda node: _normalize(node, ctx, 1), _standard_location)
     if isinstance(out, dict):              # again: `$ref` targets are normalized now
         out = _normalize(out, _context(out), 0)
     if isinstance(out, dict):

@@ -14,7 +14,9 @@ Proofs, applied recursively (bounded depth and steps):
 - anyOf/oneOf/allOf/`$ref` on either side, by their branches or target;
 - objects: a property required on one side whose value schemas exclude each
   other (discriminated unions), or that the other side forbids;
-- strings: anchored patterns whose fixed-character prefixes differ somewhere.
+- strings: anchored patterns whose fixed-character prefixes differ somewhere;
+- arrays, one side with minItems >= 1: items that exclude each other;
+- objects both closed to disjoint property sets, one side with minProperties >= 1.
 """
 from __future__ import annotations
 
@@ -151,8 +153,20 @@ class _Proof:
         if tg is not None and tv is not None and not tg & tv:
             return True
         return self._by_branches(g, v, depth) or \
-            (tg is not None and tg <= {"object"} and self._by_property(g, v, depth)) or \
+            (tg is not None and tg <= {"object"} and (self._by_property(g, v, depth) or
+                                                     _closed_apart(g, v))) or \
+            (tg is not None and tg <= {"array"} and self._by_items(g, v, depth)) or \
             (tg is not None and tg <= {"string"} and _patterns_exclude(g, v))
+
+    def _by_items(self, g: dict, v: dict, depth: int) -> bool:
+        """gen(g) holds arrays only. When one side admits no empty array, a shared
+        instance has a first item, which would lie in gen(g.items) and valid(v.items)."""
+        if not (_at_least_one(g, "minItems") or _at_least_one(v, "minItems")):
+            return False
+        if any("prefixItems" in n or not isinstance(n.get("items"), (dict, bool))
+               for n in (g, v)):
+            return False
+        return self.excludes(g["items"], v["items"], depth + 1)
 
     def _by_branches(self, g: dict, v: dict, depth: int) -> bool:
         for kw in ("anyOf", "oneOf"):
@@ -180,6 +194,24 @@ class _Proof:
             if gm is not None and vm is not None and self.excludes(gm, vm, depth + 1):
                 return True
         return False
+
+
+def _at_least_one(node: dict, bound: str) -> bool:
+    value = node.get(bound)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1
+
+
+def _closed_apart(g: dict, v: dict) -> bool:
+    """Both objects closed (additionalProperties false) to property sets with no
+    common name: only `{}` could be in both, and one side refuses it."""
+    for node in (g, v):
+        if node.get("additionalProperties") is not False or not isinstance(
+                node.get("properties", {}), dict) or \
+                {"patternProperties", "unevaluatedProperties"} & node.keys():
+            return False
+    if set(g.get("properties", {})) & set(v.get("properties", {})):
+        return False
+    return _at_least_one(g, "minProperties") or _at_least_one(v, "minProperties")
 
 
 def _member(node: dict, key: str) -> Any:

@@ -5,6 +5,7 @@ to one that admits exactly the same instances (or the node itself):
   left: `false`, which `forbid_property` turns into "the property is absent";
 - `drop_inapplicable` / `complete_array`: keywords of types `type` excludes
   are dropped; a bounded array without `items` gets `items: {}`;
+- `drop_vacuous_unique`: uniqueItems false, or next to maxItems <= 1, dropped;
 - `declare_required`: a required name missing from `properties` is declared
   with the schema `additionalProperties` gives it;
 - `fold_pattern_lengths`: minLength/maxLength folded into a counting pattern;
@@ -38,6 +39,8 @@ def filter_enum(node: dict, validator: Any) -> dict | bool:
     """`validator`: a jsonschema validator over the root (resolves local refs)."""
     if ("const" in node) == isinstance(node.get("enum"), list):
         return node                        # neither, or both
+    if node.get("enum") == []:
+        return False                       # no value (an empty intersection of enums)
     rest = {k: v for k, v in node.items() if k not in ("enum", "const")}
     if not any(k in ASSERTIONS for k in rest):
         return node
@@ -95,6 +98,15 @@ def close_declared(node: dict) -> dict:
     if any(name not in props for name in required):
         return node
     return node | {"additionalProperties": False}
+
+
+def drop_vacuous_unique(node: dict) -> dict:
+    """`uniqueItems` that cannot fail (false, or at most one item) says nothing."""
+    unique, most = node.get("uniqueItems"), node.get("maxItems")
+    if unique is False or (unique is True and isinstance(most, (int, float))
+                           and not isinstance(most, bool) and most <= 1):
+        return {k: v for k, v in node.items() if k != "uniqueItems"}
+    return node
 
 
 def drop_inapplicable(node: dict) -> dict:
@@ -172,13 +184,16 @@ def split_typeless(node: dict, stay: frozenset[str]) -> dict:
     return node
 
 
-def _dependency_cases(node: dict, known: frozenset[str]) -> dict[str, list] | None:
-    """{name: [("required", [names]) | ("schema", schema)]}, or None if unsupported."""
+def _dependency_cases(node: dict) -> dict[str, list] | None:
+    """{name: [("required", [names]) | ("schema", schema)]}, or None if unsupported.
+    Every draft's spelling is taken, also where the schema's draft does not define
+    it (`dependencies` in 2020-12): enforcing a keyword the draft ignores only
+    narrows the language, and is what the author meant."""
     cases: dict[str, list] = {}
     for kw in DEPENDENCY_KEYWORDS:
         if kw not in node:
             continue
-        if kw not in known or not isinstance(node[kw], dict):
+        if not isinstance(node[kw], dict):
             return None
         for name, dep in node[kw].items():
             if isinstance(dep, list) and kw != "dependentSchemas":
@@ -218,11 +233,9 @@ def _present(node: dict, name: str, deps: list, merge: Merge) -> dict | None:
     return out
 
 
-def expand_dependencies(node: dict, known: frozenset[str], merge: Merge,
-                        stay: frozenset[str]) -> dict:
-    """`known`: keywords the schema's draft defines; `merge(a, b)`: one schema
-    meaning "a and b", or None."""
-    cases = _dependency_cases(node, known)
+def expand_dependencies(node: dict, merge: Merge, stay: frozenset[str]) -> dict:
+    """`merge(a, b)`: one schema meaning "a and b", or None."""
+    cases = _dependency_cases(node)
     if not cases:
         return node
     base = {k: v for k, v in node.items() if k not in DEPENDENCY_KEYWORDS and k not in stay}

@@ -107,3 +107,50 @@ def iter_nodes(root: Any) -> Iterator[SchemaNode]:
             if target is not None:
                 children.append(target)
         stack.extend(reversed(children))
+
+
+_DATA = frozenset({"enum", "const", "default", "examples"})   # values, never schemas
+
+
+def _pointer(ref: str) -> list[str] | None:
+    if not ref.startswith("#/"):
+        return None
+    return [unquote(raw).replace("~1", "/").replace("~0", "~") for raw in ref[2:].split("/")]
+
+
+def local_refs(node: Any) -> set[str]:
+    """Every local `$ref` string in the document (data values skipped)."""
+    out: set[str] = set()
+    if isinstance(node, list):
+        for v in node:
+            out |= local_refs(v)
+    elif isinstance(node, dict):
+        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/"):
+            out.add(node["$ref"])
+        for k, v in node.items():
+            if k not in _DATA:
+                out |= local_refs(v)
+    return out
+
+
+def map_ref_targets(root: dict, fn, skip) -> dict:
+    """`root` with `fn` applied to the target of every local `$ref` whose JSON
+    pointer `skip(parts)` does not exclude (a copy along the way; `root` itself
+    is not mutated)."""
+    for ref in sorted(local_refs(root)):
+        parts = _pointer(ref)
+        if parts is None or skip(parts) or resolve_local_ref(root, ref) is None:
+            continue
+        root = _replace_at(root, parts, fn)
+    return root
+
+
+def _replace_at(node: Any, parts: list[str], fn) -> Any:
+    if not parts:
+        return fn(node) if isinstance(node, dict) else node
+    head, rest = parts[0], parts[1:]
+    if isinstance(node, dict):
+        return node | {head: _replace_at(node[head], rest, fn)}
+    out = list(node)
+    out[int(head)] = _replace_at(out[int(head)], rest, fn)
+    return out

@@ -134,7 +134,7 @@ def test_xgrammar_plain_length_pattern_is_exact(compile_for, tokenizer, vocab):
      "auto", "minItems", "$"),
     ({"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}},
      "auto", "uniqueItems", "$.properties.t"),
-    ({"type": "object", "properties": {"s": {"type": "string", "format": "x-unknown"}}},
+    ({"type": "object", "properties": {"s": {"type": "string", "format": "regex"}}},
      "llguidance", "format", "$.properties.s"),
     ({"type": "object", "properties": {"out": {}}, "required": ["out"]},
      "outlines", "properties", "$"),
@@ -257,3 +257,63 @@ def test_auto_order(params, expected):
             choose_backend(params)
     else:
         assert choose_backend(params) == expected
+
+
+def _walk_outputs(compiled, vocab, rng, steps=128):
+    """Finished outputs of random walks under the mask (closing tokens favoured)."""
+    bitmask = allocate_bitmask(1, VOCAB)
+    closing = [i for i, b in enumerate(vocab.token_bytes) if b and any(c in b for c in b'}]"@.')
+               and len(b) <= 2]
+    for _ in range(12):
+        m, out = compiled.new_matcher(), []
+        for step in range(steps):
+            m.fill_bitmask(bitmask, 0)
+            allowed = set(allowed_token_ids(bitmask, 0, VOCAB))
+            rest = sorted(allowed - {vocab.eos_token_id})
+            if vocab.eos_token_id in allowed and (not rest or rng.random() < 0.3 or step > steps // 2):
+                yield b"".join(vocab.token_bytes[t] for t in out).decode()
+                break
+            pick = [t for t in closing if t in allowed] if rng.random() < 0.5 else []
+            tid = rng.choice(pick or rest)
+            assert m.accept_tokens([tid])
+            out.append(tid)
+
+
+@pytest.mark.parametrize("fmt,served", [("x-unknown", None), ("uri-reference", "uri"),
+                                        ("idn-email", "email")])
+def test_llguidance_formats_it_lacks(fmt, served, compile_for, tokenizer, vocab):
+    """A format no draft defines annotates only (served as a plain string); a defined
+    one llguidance lacks is served as a narrower one it has (every absolute URI is a
+    URI-reference). Outputs validate against the original, formats checked."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "format": fmt}},
+              "required": ["s"], "additionalProperties": False}
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    checker = jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    narrower = jsonschema.Draft202012Validator(
+        {"type": "string", "format": served},
+        format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER) if served else None
+    outputs = list(_walk_outputs(compiled, vocab, random.Random(fmt)))
+    assert outputs
+    for text in outputs:
+        value = json.loads(text)
+        assert checker.is_valid(value), text
+        assert narrower is None or narrower.is_valid(value["s"]), text
+    if served is None:
+        assert accepts(compiled, tokenizer, vocab, '{"s":"any text"}')
+
+
+def test_int64_lower_bound_is_raised_for_llguidance(compile_for, tokenizer, vocab):
+    """llguidance cannot build a range down to -2**63 (protobuf's int64): the bound is
+    raised by 1024, which only loses the lowest integers."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": -2**63,
+                                                     "maximum": 2**63 - 1}},
+              "required": ["n"], "additionalProperties": False}
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {'{"n":-12}': True, '{"n":9223372036854775807}': True,
+                                               '{"n":9223372036854775808}': False})
+    assert not accepts(compiled, tokenizer, vocab, '{"n":-9223372036854775808}')  # the loss
+    for text in _walk_outputs(compiled, vocab, random.Random(5)):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text

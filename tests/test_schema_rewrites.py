@@ -137,6 +137,83 @@ REWRITES = {
          "dependentRequired": {"x": ["y"], "y": ["z"]}},
         [{}, {"z": 1}, {"y": 1, "z": 2}, {"x": 1, "y": 2, "z": 3}],
         [{"x": 1}, {"x": 1, "y": 2}, {"y": 1}]),
+    "draft-04 dependency schema whose enum excludes the property's": (   # WashingtonPost
+        {"$schema": D4, "type": "object", "required": ["id"], "additionalProperties": False,
+         "properties": {"id": STR, "website": STR, "type": {"enum": ["site"]}},
+         "dependencies": {"website": {"properties": {"type": {"enum": ["section"],
+                                                              "type": "string"}}}}},
+        [{"id": "1", "website": "w"}, {"id": "1", "type": "site"}, {"id": "1"}],
+        [{"id": "1", "website": "w", "type": "site"}, {"id": "1", "type": "section"}]),
+    "not required: one of the names absent": (
+        {"type": "object", "properties": {"a": INT, "b": INT, "c": INT},
+         "additionalProperties": False, "not": {"required": ["a", "b"]}},
+        [{}, {"a": 1}, {"b": 1, "c": 2}], [{"a": 1, "b": 2}, {"a": 1, "b": 2, "c": 3}]),
+    "not anyOf required: every name absent (semgrep's exclusive keys)": (
+        {"type": "object", "required": ["m"], "additionalProperties": False,
+         "properties": {"m": STR, "p": STR, "ps": STR, "pe": STR},
+         "oneOf": [{"required": ["p"], "not": {"anyOf": [{"required": ["ps"]}, {"required": ["pe"]}]}},
+                   {"required": ["ps"], "not": {"anyOf": [{"required": ["p"]}, {"required": ["pe"]}]}},
+                   {"required": ["pe"], "not": {"anyOf": [{"required": ["p"]}, {"required": ["ps"]}]}}]},
+        [{"m": "x", "p": "y"}, {"m": "x", "ps": "y"}, {"m": "x", "pe": "y"}],
+        [{"m": "x"}, {"m": "x", "p": "y", "ps": "z"}, {"p": "y"}]),
+    "not allOf required and a required name": (
+        {"type": "object", "properties": {"a": INT, "b": INT}, "required": ["a"],
+         "additionalProperties": False, "not": {"allOf": [{"required": ["a"]}, {"required": ["b"]}]}},
+        [{"a": 1}], [{"a": 1, "b": 2}, {}]),
+    "not {} forbids a property (WashingtonPost)": (
+        {"type": "object", "additionalProperties": False,
+         "properties": {"a": INT, "type": {"not": {}}, "v": {"not": {}}}},
+        [{"a": 1}, {}], [{"type": 1}, {"a": 1, "v": "x"}]),
+    "oneOf: closed objects that share only {}": (
+        {"type": "object", "oneOf": [_obj({"next": STR}, []), _obj({"prev": STR}, [])]},
+        [{"next": "a"}, {"prev": "b"}], [{}, {"next": "a", "prev": "b"}, {"x": 1}]),
+    "oneOf: $ref branches that share only {}": (
+        {"$schema": D4, "definitions": {
+            "a": {"type": "object", "properties": {"x": STR, "y": STR}, "additionalProperties": False},
+            "b": {"properties": {"z": INT}, "additionalProperties": False}},
+         "oneOf": [{"$ref": "#/definitions/a"}, {"$ref": "#/definitions/b"}]},
+        [{"x": "a", "y": "b"}, {"z": 1}], [{}, {"x": "a", "z": 1}]),
+    "oneOf under a $ref target that no keyword leads to": (   # vtestunit-schema
+        {"$schema": D7, "definitions": {"group": {"full": {"type": "array", "items": {"oneOf": [
+            {"type": "object", "properties": {"src": STR}, "additionalProperties": False},
+            {"type": "object", "properties": {"lib": STR}, "additionalProperties": False}]}}}},
+         "type": "object", "properties": {"files": {"$ref": "#/definitions/group/full"}}},
+        [{"files": [{"src": "a"}, {"lib": "b"}]}, {}], [{"files": [{}]}, {"files": [{"src": "a", "lib": "b"}]}]),
+    "if/then on a listed discriminator (drupal-info)": (
+        {"$schema": D7, "type": "object", "required": ["name"], "additionalProperties": False,
+         "properties": {"name": STR, "type": {"enum": ["module", "theme", "profile"]},
+                        "configure": STR, "engine": STR, "base": INT},
+         "allOf": [{"if": {"properties": {"type": {"const": "module"}}},
+                    "then": {"properties": {"engine": False}}},
+                   {"if": {"properties": {"type": {"const": "theme"}}, "required": ["type"]},
+                    "then": {"required": ["engine"]}, "else": {"properties": {"base": False}}}]},
+        [{"name": "a"}, {"name": "a", "configure": "c"}, {"name": "a", "type": "theme", "engine": "t", "base": 1},
+         {"name": "a", "type": "profile", "engine": "x"}, {"name": "a", "type": "module"}],
+        [{"name": "a", "engine": "t"}, {"name": "a", "type": "module", "engine": "t"},
+         {"name": "a", "type": "theme"}, {"name": "a", "base": 1}, {"name": "a", "type": "other"}]),
+    "oneOf over which properties are present (Glaive's calculate_area)": (
+        {"type": "object", "properties": {"radius": INT, "width": INT, "height": INT, "base": INT},
+         "oneOf": [{"not": {"required": ["width", "height", "base"]}, "required": ["radius"]},
+                   {"not": {"required": ["radius", "base"]}, "required": ["width", "height"]},
+                   {"not": {"required": ["radius", "width"]}, "required": ["base", "height"]}]},
+        [{"radius": 1}, {"width": 1, "height": 2}, {"height": 2, "base": 1}, {"radius": 1, "width": 2}],
+        [{}, {"radius": 1, "width": 1, "height": 2}, {"radius": 1, "base": 1, "height": 2},
+         {"width": 1, "height": 2, "base": 3},
+         {"radius": 1, "width": 1, "height": 1, "base": 1}, {"width": 1}, {"radius": "x"}]),
+    "oneOf of closed objects that overlap: only objects meeting one branch": (
+        {"oneOf": [_obj({"a": STR}, []), _obj({"a": STR, "b": STR}, ["b"]),
+                   _obj({"b": STR, "c": STR}, ["b"])]},
+        [{}, {"a": "x"}, {"a": "x", "b": "y"}, {"b": "y", "c": "z"}],
+        [{"b": "y"}, {"a": "x", "c": "z"}, {"b": 1, "c": "z"}]),
+    "uniqueItems on at most one item says nothing": (
+        {"type": "object", "properties": {"t": {"type": "array", "items": INT, "maxItems": 1,
+                                                "uniqueItems": True},
+                                          "u": {"type": "array", "items": INT, "uniqueItems": False}}},
+        [{"t": [1]}, {"t": []}, {"u": [1, 1]}], [{"t": [1, 2]}, {"u": ["a"]}]),
+    "oneOf: arrays that share only []": (
+        {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "array", "items": STR},
+                   {"type": "null"}]},
+        [[1, 2.5], ["a"], None], [[], [1, "a"]]),
     "anyOf next to a vacuous additionalProperties": (
         {"$schema": D4, "additionalProperties": {}, "anyOf": [
             {"$ref": "#/definitions/a"}, {"$ref": "#/definitions/b"}], "definitions": {
@@ -148,11 +225,8 @@ ACCEPTED = AS_WRITTEN | REWRITES
 # name -> (schema, an instance jsonschema admits that the rejection protects, or
 # None when the schema is rejected because the overlap is real).
 STILL_REJECTED = {
-    "oneOf: both admit {}": ({"oneOf": [_obj({"next": STR}, []), _obj({"prev": STR}, [])]}, {}),
     "oneOf: enum inside the other branch": (
         {"oneOf": [{"type": "string", "enum": ["a", "b"]}, {"type": "string"}]}, "a"),
-    "oneOf: both admit []": ({"oneOf": [{"type": "array", "items": {"type": "number"}},
-                                        {"type": "array", "items": STR}]}, []),
     "oneOf: prefixes that can agree": ({"oneOf": [{"type": "string", "pattern": "^ab"},
                                                   {"type": "string", "pattern": "^a."}]}, "ab"),
     "oneOf: top-level alternation": ({"oneOf": [{"type": "string", "pattern": "^a|b"},
@@ -174,8 +248,13 @@ STILL_REJECTED = {
     "propertyNames with a pattern": (
         {"type": "object", "additionalProperties": INT, "propertyNames": {"pattern": "^[0-9]+$"}},
         None),
-    "2020-12 ignores `dependencies`: no rewrite": (
-        {"type": "object", "properties": {"a": INT, "b": INT}, "dependencies": {"a": ["b"]}}, None),
+    "not of a pattern": ({"type": "string", "not": {"pattern": "^a"}}, None),
+    "if/then on a free-string discriminator": (
+        {"type": "object", "properties": {"t": STR, "a": INT}, "additionalProperties": False,
+         "if": {"properties": {"t": {"const": "x"}}, "required": ["t"]}, "then": {"required": ["a"]}},
+        None),
+    "not required on a node that may be a string": (
+        {"type": ["object", "string"], "properties": {"a": INT}, "not": {"required": ["a"]}}, None),
 }
 
 
@@ -356,3 +435,77 @@ def test_oneof_proofs_on_their_own():
     loop = {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}}
     assert not pairwise_disjoint([{"$ref": "#/$defs/a"}, {"type": "null"}], loop,
                                  jsonschema.Draft202012Validator(loop))
+
+
+def test_dependencies_in_a_draft_without_them_are_enforced_anyway():
+    """2020-12 defines no `dependencies`: jsonschema ignores it, the author (writing
+    draft-07) meant it. Enforcing it generates a subset of what 2020-12 admits and
+    exactly what draft-07 admits."""
+    schema = {"type": "object", "properties": {"a": INT, "b": INT}, "dependencies": {"a": ["b"]},
+              "additionalProperties": False}
+    draft7 = schema | {"$schema": D7}
+    for instance in ({}, {"b": 1}, {"a": 1, "b": 2}):
+        assert _accepts(schema, _text(instance)) and _valid(draft7, instance)
+    assert not _accepts(schema, _text({"a": 1})) and not _valid(draft7, {"a": 1})
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(_CHARS + [""], xgr.VocabType.RAW,
+                                                     stop_token_ids=[_STOP]),
+                                   max_threads=1, cache_enabled=False).compile_grammar(_grammar(schema))
+    rng = random.Random(3)
+    for _ in range(30):
+        text = _walk(xgr.GrammarMatcher(compiled), rng)
+        if text is not None:
+            assert _valid(schema, json.loads(text)) and _valid(draft7, json.loads(text)), text
+
+
+LISTED = {   # name -> (schema, valid, invalid): served by llguidance (the rewrite adds a pattern)
+    "oneOf: listed strings inside a free string": (
+        {"oneOf": [{"enum": ["/usr/bin/vim", "/usr/bin/vi", "é😀"]}, {"type": "string"}]},
+        ["/usr/bin/v", "/usr/bin/vimx", "", "é", "x"], ["/usr/bin/vim", "/usr/bin/vi", "é😀", 3]),
+    "oneOf: a listed value the string branch refuses stays": (
+        {"oneOf": [{"enum": ["ab", "abcdef", 1]}, {"type": "string", "maxLength": 4}, {"type": "null"}]},
+        ["abcdef", 1, "abc", "", None], ["ab", 2, "abcde"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LISTED))
+def test_listed_strings_leave_the_string_branch(name):
+    schema, good, bad = LISTED[name]
+    with pytest.raises(UnsupportedSchemaError):
+        check_schema(schema, "xgrammar")
+    for instance, expected in [(x, True) for x in good] + [(x, False) for x in bad]:
+        assert _valid(schema, instance) == expected, instance
+        m, ids = _llg_matcher(schema), _llg_ids(_text(instance))
+        got = m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+        assert got == expected, instance
+    rng, finished = random.Random(name), 0
+    for _ in range(40):
+        text = _walk(_LLGWalker(_llg_matcher(schema)), rng)
+        if text is not None:
+            finished += 1
+            assert _valid(schema, json.loads(text)), text
+    assert finished >= 5
+
+
+def test_listed_strings_another_branch_admits_stay_rejected():
+    schema = {"oneOf": [{"enum": ["a"]}, {"type": "string"}, {"type": "string", "maxLength": 1}]}
+    with pytest.raises(UnsupportedSchemaError):
+        to_llguidance(StructuredOutputsParams(json=schema))
+
+
+def test_llguidance_untyped_oneof_branches_generate_objects_only():
+    """formwork proves untyped oneOf branches disjoint as the objects xgrammar infers
+    from `properties`; llguidance generates every type for an untyped node, and
+    "x" passes both branches (so it is invalid). The type is stated before
+    llguidance sees the anyOf: found by this session, it generated "x"."""
+    schema = AS_WRITTEN["oneOf: discriminator on untyped branches"][0]
+    for text, expected in [('"x"', False), ("3", False), ("null", False),
+                           ('{"k":"a","m":"y"}', True), ('{"k":"b"}', True)]:
+        assert _valid(schema, json.loads(text)) == expected, text
+        m, ids = _llg_matcher(schema), _llg_ids(text)
+        assert (m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids)
+                and m.is_accepting()) == expected, text
+    rng = random.Random(11)
+    for _ in range(40):
+        text = _walk(_LLGWalker(_llg_matcher(schema)), rng)
+        if text is not None:
+            assert _valid(schema, json.loads(text)), text
