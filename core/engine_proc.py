@@ -29,6 +29,7 @@ import zmq
 
 from formwork.gpu.child_process import die_with_parent, main_module_not_reimported
 from formwork.schemas.config import EngineConfig
+from formwork.schemas.errors import param_of
 from formwork.schemas.engine import (EngineCoreOutput, EngineCoreOutputs, FinishReason, InputMessage)
 
 log = logging.getLogger("formwork.engine")
@@ -125,7 +126,8 @@ class EngineLoop:
             except ValueError as e:  # refused: finish it alone, the engine carries on
                 self._send(EngineCoreOutputs(outputs=[EngineCoreOutput(
                     request_id=msg.add.request_id, new_token_ids=[],
-                    finish_reason=FinishReason.ERROR, error=str(e))]))
+                    finish_reason=FinishReason.ERROR, error=str(e),
+                    error_param=param_of(e))]))
         elif msg.abort is not None:
             # applied at once (between steps), so a later message sees them done
             self.core.abort_requests(msg.abort.request_ids)

@@ -4,15 +4,17 @@ serves. The HTTP gateway still checks token-id prompts on its own
 (serving_completion._prompts, against the tokenizer's length)."""
 from __future__ import annotations
 
+from formwork.schemas.errors import ParamError
+
 
 def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
     """ValueError naming the parameter unless `ids` is a prompt the engine can serve."""
     if not ids:
-        raise ValueError("prompt: must not be empty")
+        raise ParamError("prompt", "must not be empty")
     if len(ids) >= max_model_len:
-        raise ValueError(
-            f"prompt: {len(ids)} tokens do not fit the context: max_model_len is "
+        raise ParamError(
+            "prompt", f"{len(ids)} tokens do not fit the context: max_model_len is "
             f"{max_model_len} (prompt plus at least one generated token)")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompt_token_ids: token id {bad} outside [0, {vocab_size})")
+        raise ParamError("prompt_token_ids", f"token id {bad} outside [0, {vocab_size})")

@@ -27,7 +27,7 @@ import zmq.asyncio
 from formwork.core.engine_proc import READY_CALL_ID, handshake_result, start_engine_process
 from formwork.core.ipc import make_ipc_dir
 from formwork.gateway.engine_launch import Launcher, bind_pair
-from formwork.gateway.errors import PARAM_PREFIX, APIError, EngineDeadError
+from formwork.gateway.errors import APIError, EngineDeadError
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreUtility, EngineStats,
@@ -39,12 +39,11 @@ REPLAY_WAIT_S = 60.0      # how long a request that produced nothing waits for a
 
 
 class EngineRequestError(APIError):
-    """The engine finished a request with an error (refused it, grammar failed)."""
+    """The engine finished a request with an error (refused it, grammar failed);
+    `param` is the field the engine named (EngineCoreOutput.error_param)."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
-        m = PARAM_PREFIX.match(message)
-        super().__init__(400, message, param=param or (m.group(1) if m else None),
-                         code="engine_request_error")
+        super().__init__(400, message, param=param, code="engine_request_error")
 
 
 class EngineClient:
@@ -313,10 +312,11 @@ class EngineClient:
                     item.after_send = True
                 if isinstance(item, Exception):
                     raise item
-                errors = [c.error for c in item.outputs if c.finish_reason == "error"]
-                if errors:
+                failed = [c for c in item.outputs if c.finish_reason == "error"]
+                if failed:
                     finished = item.finished
-                    raise EngineRequestError(errors[0] or "the engine failed this request")
+                    raise EngineRequestError(failed[0].error or "the engine failed this request",
+                                             param=failed[0].error_param)
                 finished = item.finished
                 yield item
         finally:

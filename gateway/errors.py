@@ -9,7 +9,6 @@ makes the OpenAPI document say so (400, never FastAPI's 422).
 from __future__ import annotations
 
 import logging
-import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,11 +16,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from formwork.gateway.openapi_doc import document_request_bodies
-from formwork.schemas.openai import ErrorInfo, ErrorResponse, FieldValueError, InvalidBodyError
+from formwork.schemas.errors import ParamError, param_of
+from formwork.schemas.openai import ErrorInfo, ErrorResponse, InvalidBodyError
 
 log = logging.getLogger("formwork.gateway")
 
-PARAM_PREFIX = re.compile(r"^([A-Za-z_][\w\.\[\]]*): ")
 FASTAPI_BODY_ERROR = "There was an error parsing the body"     # FastAPI's 400, cause chained
 
 
@@ -100,12 +99,12 @@ def _parse_failure(cause: BaseException | None) -> str:
 
 
 def from_value_error(err: ValueError, *, param_prefix: str = "") -> APIError:
-    """A ValueError "param: message" -> 400 with `param` set (prefixed by `param_prefix`)."""
+    """A ValueError -> 400 with `param` set (prefixed by `param_prefix`): a
+    ParamError's own field; for another ValueError the "param: message" form of its
+    text (libraries' and pydantic's errors)."""
     text = str(err)
-    m = PARAM_PREFIX.match(text)
-    param = None
-    if m:
-        param = m.group(1)
+    param = param_of(err)
+    if param:
         if param_prefix and not param.startswith(param_prefix):
             param = f"{param_prefix}{param}"
     return bad_request(text, param=param)
@@ -126,7 +125,7 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     first = errors[0] if errors else {}
     param = _loc_to_param(tuple(first.get("loc", ())))
     cause = first.get("ctx", {}).get("error")
-    if isinstance(cause, FieldValueError):         # a whole-body check naming its field
+    if isinstance(cause, ParamError):         # a whole-body check naming its field
         return bad_request(str(cause), param=cause.param).to_response()
     if isinstance(cause, InvalidBodyError):
         return invalid_json(str(cause)).to_response()

@@ -23,6 +23,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
     error: str | None = None
+    error_param: str | None = None
     # since the previous RequestOutput of this request (for streaming)
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
@@ -182,7 +183,7 @@ class OutputProcessor:
             out.finish_reason, out.stop_reason = FinishReason.STOP.value, stop_hit
         elif eo.finish_reason is not None:
             out.finish_reason, out.stop_reason = eo.finish_reason.value, eo.stop_reason
-            out.error = eo.error
+            out.error, out.error_param = eo.error, eo.error_param
         child.parent.num_cached_tokens = max(child.parent.num_cached_tokens, eo.num_cached_tokens)
         # every child scores the prompt (so each one's first output carries it); the first kept
         if eo.prompt_logprobs is not None and child.parent.prompt_logprobs is None:
@@ -230,6 +231,7 @@ class OutputProcessor:
                 finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                 logprobs=list(o.logprobs) if o.logprobs is not None else None,
                 cumulative_logprob=o.cumulative_logprob, error=o.error,
+                error_param=o.error_param,
                 delta_text=c.detok.take_delta(o.finished), delta_token_ids=o.delta_token_ids,
                 delta_logprobs=o.delta_logprobs)
             o.delta_token_ids, o.delta_logprobs = [], None

@@ -66,6 +66,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None   # the refused field (OpenAI's error.param), as data
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from formwork.schemas.errors import ParamError
 from formwork.schemas.sampling import MAX_N
 
 # Deeper request bodies are refused before any validation: no real request comes
@@ -26,15 +27,6 @@ def random_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
-class FieldValueError(ValueError):
-    """A whole-body check's finding that names its field (`param`), so the error
-    handler can say which field it was."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
 class InvalidBodyError(ValueError):
     """The body as a whole cannot be taken (not a field's value): 400 invalid_json."""
 
@@ -44,7 +36,7 @@ def _check_body(value: Any, path: str = "", depth: int = 0) -> None:
     surrogate (JSON's "\\ud800" decodes to a str no tokenizer or encoder takes)."""
     if isinstance(value, str):
         if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
-            raise FieldValueError(path or "body",
+            raise ParamError(path or "body",
                                   "contains a lone UTF-16 surrogate (not valid Unicode text)")
         return
     if isinstance(value, (dict, list)) and depth >= MAX_BODY_DEPTH:

@@ -5,6 +5,7 @@ import math
 
 import msgspec
 
+from formwork.schemas.errors import ParamError
 from formwork.schemas.structured import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
@@ -21,7 +22,7 @@ def check_token_ids(params: "SamplingParams", vocab_size: int) -> None:
                       ("logit_bias", params.logit_bias or ())):
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
-            raise ValueError(f"{name}: token id {bad} outside the vocabulary [0, {vocab_size})")
+            raise ParamError(name, f"token id {bad} outside the vocabulary [0, {vocab_size})")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -72,7 +73,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def validate(self) -> None:
         """Raise ValueError naming the offending parameter."""
         def bad(param: str, msg: str) -> None:
-            raise ValueError(f"{param}: {msg}")
+            raise ParamError(param, msg)
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from formwork.schemas.errors import ParamError
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # "guidance" is vLLM's name for llguidance.
 BACKENDS = ("auto", "llguidance", "xgrammar", "outlines", "guidance")
@@ -60,8 +62,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def kind(self) -> str:
         set_kinds = [k for k in KINDS if is_set(k, getattr(self, k))]
         if len(set_kinds) != 1:
-            raise ValueError(
-                "structured_outputs: exactly one of "
+            raise ParamError(
+                "structured_outputs", "exactly one of "
                 f"{', '.join(KINDS)} must be set (got {set_kinds or 'none'})")
         return set_kinds[0]
 
@@ -73,35 +75,35 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs.{kind}: not valid JSON: {e}") from None
+                raise ParamError(f"structured_outputs.{kind}", f"not valid JSON: {e}") from None
         return value
 
     def validate(self) -> None:
         kind = self.kind()
         if self.backend not in BACKENDS:
-            raise ValueError(
-                f"structured_outputs.backend: must be one of {BACKENDS}, got {self.backend!r}")
+            raise ParamError(
+                "structured_outputs.backend", f"must be one of {BACKENDS}, got {self.backend!r}")
         if self.whitespace not in ("compact", "flexible"):
-            raise ValueError("structured_outputs.whitespace: must be 'compact' or 'flexible'")
+            raise ParamError("structured_outputs.whitespace", "must be 'compact' or 'flexible'")
         if self.additional_properties not in ("declared", "schema"):
-            raise ValueError("structured_outputs.additional_properties: must be 'declared' or 'schema'")
+            raise ParamError("structured_outputs.additional_properties", "must be 'declared' or 'schema'")
         if not 0 <= self.max_whitespace <= 64:
-            raise ValueError("structured_outputs.max_whitespace: must be in [0, 64]")
+            raise ParamError("structured_outputs.max_whitespace", "must be in [0, 64]")
         if self.whitespace_pattern is not None:
             if kind not in ("json", "json_object", "structural_tag"):
-                raise ValueError("structured_outputs.whitespace_pattern: applies to JSON "
+                raise ParamError("structured_outputs.whitespace_pattern", "applies to JSON "
                                  f"constraints only, not to {kind}")
             check_whitespace_pattern(self.whitespace_pattern)
         value = self.spec()
         if kind == "choice":
             if not value or not all(isinstance(c, str) and c for c in value):
-                raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+                raise ParamError("structured_outputs.choice", "must be a non-empty list of non-empty strings")
         if kind in ("regex", "grammar") and not value.strip():
-            raise ValueError(f"structured_outputs.{kind}: must be a non-empty string")
+            raise ParamError(f"structured_outputs.{kind}", "must be a non-empty string")
         if kind == "json" and not isinstance(value, (dict, bool)):
-            raise ValueError("structured_outputs.json: a JSON Schema must be an object")
+            raise ParamError("structured_outputs.json", "a JSON Schema must be an object")
         if kind == "json" and value is False:
-            raise ValueError(f"structured_outputs.json: {FALSE_SCHEMA}")
+            raise ParamError("structured_outputs.json", FALSE_SCHEMA)
 
     def cache_key(self) -> str:
         """Canonical text of the spec: equal constraints share a compiled grammar."""
@@ -156,12 +158,12 @@ def check_whitespace_pattern(pattern: str) -> None:
             if after_atom and (m := _WS_COUNT.match(pattern, pos)):
                 pos, after_atom = m.end(), False
                 continue
-        raise ValueError(
-            f"structured_outputs.whitespace_pattern: {pattern!r} may match more than JSON "
+        raise ParamError(
+            "structured_outputs.whitespace_pattern", f"{pattern!r} may match more than JSON "
             f"whitespace (at {pattern[pos:pos + 8]!r}); use only space, \\t, \\n, \\r "
             "(or \\x20, \\x09, \\x0a, \\x0d), classes of them, groups, | and "
             "quantifiers, e.g. '[ \\n]{0,4}'")
     try:
         re.compile(pattern)
     except re.error as e:
-        raise ValueError(f"structured_outputs.whitespace_pattern: not a valid regex: {e}") from None
+        raise ParamError("structured_outputs.whitespace_pattern", f"not a valid regex: {e}") from None
