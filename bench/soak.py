@@ -236,9 +236,12 @@ async def storm_phase(client, args) -> tuple[list[Outcome], list[float]]:
     stop = asyncio.Event()
     lat_task = asyncio.create_task(small_latencies(client, stop, 0))
     await asyncio.sleep(0.2)
+    # --storm-plain: the same requests without their schemas, the baseline that
+    # tells the compiles' own cost from the storm's prefill and decode
+    schemas = [None if args.storm_plain else storm_schema(i) for i in range(args.storm)]
     outcomes = await asyncio.gather(*(
-        one(client, "storm", body_for("storm", s, 24, False), s, False)
-        for s in (storm_schema(i) for i in range(args.storm))))
+        one(client, "storm", body_for("storm", s, args.storm_max_tokens, False), s, False)
+        for s in schemas))
     stop.set()
     return list(outcomes), await lat_task
 
@@ -316,6 +319,10 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--storm", type=int, default=100, help="concurrent distinct-schema requests")
+    p.add_argument("--storm-plain", action="store_true",
+                   help="storm requests without schemas (the baseline for the compiles' cost)")
+    p.add_argument("--storm-max-tokens", type=int, default=24,
+                   help="max_tokens of each storm request (1: the compiles alone, no decode load)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--model", default=None)
     p.add_argument("--log", default="/tmp/formwork-soak-server.log")
