@@ -34,6 +34,11 @@ def test_worker_imports_no_formwork():
     import subprocess
     code = ("import sys; sys.modules['formwork'] = None; sys.argv = ['w']; "
             f"sys.path.insert(0, {str(BENCH)!r}); import vs_vllm_worker; "
-            "assert vs_vllm_worker.mixed_workload.__module__ == 'offline_throughput'")
+            "assert vs_vllm_worker.mixed_workload.__module__ == 'offline_throughput'; "
+            # the worker's call of the shared generator (its signature once drifted)
+            "import types; tok = lambda text, add_special_tokens: types.SimpleNamespace("
+            "input_ids=list(range(4000))); "
+            "reqs = vs_vllm_worker.mixed_requests(tok, 3); "
+            "assert len(reqs) == 3 and all(20 <= len(p) <= 600 for p, _ in reqs)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
