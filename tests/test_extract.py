@@ -105,8 +105,9 @@ class NoModel:
      "invalid JSON Schema at $.properties.n.maxLength"),
     ('{"type": "object",', "not a readable JSON file"),
     ('[1, 2]', "a JSON Schema must be an object"),
-    ('{"type": "object", "not": {"required": ["a"]}}',        # valid, but not enforceable
-     "unsupported JSON Schema keyword 'not' at $"),
+    ('{"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},'
+     ' "uniqueItems": true}}}',                                   # valid, but not enforceable
+     "unsupported JSON Schema keyword 'uniqueItems' at $.properties.tags"),
 ])
 def test_bad_schema_is_a_usage_error_before_any_model(tmp_path, monkeypatch, capsys,
                                                      schema_text, expected):
