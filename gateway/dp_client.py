@@ -25,6 +25,7 @@ from formwork.gateway.engine_launch import Launcher, dp_engine_config, rank_laun
 from formwork.gateway.errors import APIError, EngineDeadError
 from formwork.gateway.metrics import EngineSample
 from formwork.gateway.output_processor import RequestOutput
+from formwork.gateway.replay import replaying
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import EngineStats
 from formwork.schemas.sampling import SamplingParams
@@ -155,20 +156,16 @@ class DPEngineClient:
         """Route to one engine (all n choices there), then as EngineClient.generate. A
         request whose engine died before it yielded anything is routed again, once,
         to an engine that is ready (the others keep serving while it restarts)."""
-        for attempt in (0, 1):
-            produced = False
-            try:
-                async with contextlib.aclosing(self._generate_on_one(
-                        request_id, prompt, prompt_token_ids, params)) as gen:
-                    async for ro in gen:
-                        produced = True
-                        yield ro
-                return
-            except EngineDeadError as e:
-                if produced or not e.before_output or attempt == 1 or not any(self._ready()):
-                    raise
-                log.info("%s: its engine died before it produced anything; routed again",
-                         request_id)
+        async def retry(_err: EngineDeadError) -> bool:
+            if not any(self._ready()):
+                return False
+            log.info("%s: its engine died before it produced anything; routed again", request_id)
+            return True
+
+        async with contextlib.aclosing(replaying(lambda: self._generate_on_one(
+                request_id, prompt, prompt_token_ids, params), retry)) as gen:
+            async for ro in gen:
+                yield ro
 
     async def _generate_on_one(self, request_id: str, prompt: str | None,
                                prompt_token_ids: list[int], params: SamplingParams

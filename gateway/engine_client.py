@@ -29,6 +29,7 @@ from formwork.core.ipc import make_ipc_dir
 from formwork.gateway.engine_launch import Launcher, bind_pair
 from formwork.gateway.errors import APIError, EngineDeadError
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
+from formwork.gateway.replay import replaying
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreUtility, EngineStats,
                             InputMessage)
@@ -264,22 +265,16 @@ class EngineClient:
         the restart takes at most REPLAY_WAIT_S; with `replay=False` (the DP
         client, which re-routes it instead) it gets EngineDeadError with
         `before_output` set. One that yielded output gets the 503."""
-        replayed = False
-        while True:
-            produced = False
-            try:
-                async with contextlib.aclosing(self._generate_once(
-                        request_id, prompt, prompt_token_ids, params)) as gen:
-                    async for item in gen:
-                        produced = True
-                        yield item
-                return
-            except EngineDeadError as e:
-                e.before_output = not produced and e.after_send
-                if not (e.before_output and replay and not replayed) or not await self._until_ready():
-                    raise
-                replayed = True
-                log.info("%s: the engine died before it produced anything; sent again", request_id)
+        async def retry(_err: EngineDeadError) -> bool:
+            if not replay or not await self._until_ready():
+                return False
+            log.info("%s: the engine died before it produced anything; sent again", request_id)
+            return True
+
+        async with contextlib.aclosing(replaying(lambda: self._generate_once(
+                request_id, prompt, prompt_token_ids, params), retry)) as gen:
+            async for item in gen:
+                yield item
 
     async def _until_ready(self) -> bool:
         """Wait (at most REPLAY_WAIT_S) for a restarted engine; False if it is not back."""
