@@ -32,12 +32,10 @@ def make_workload(tokenizer, n: int, seed: int, pmin=20, pmax=600, omin=16, omax
     return reqs
 
 
-def run_formwork(args, reqs):
-    from formwork import LLM, SamplingParams
-    t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads)
-    load = time.perf_counter() - t0
+def timed_generate(llm, reqs) -> tuple[float, int]:
+    """Greedy, ignore_eos, after a 2-request warm-up: (seconds, output tokens)."""
+    from formwork import SamplingParams
+
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)          # warm-up
@@ -46,6 +44,16 @@ def run_formwork(args, reqs):
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(o for _, o in reqs), "formwork produced a different token count"
+    return dt, n_out
+
+
+def run_formwork(args, reqs):
+    from formwork import LLM
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads)
+    load = time.perf_counter() - t0
+    dt, n_out = timed_generate(llm, reqs)
     stats = llm.get_stats()
     llm.shutdown()
     return {"seconds": dt, "output_tokens": n_out, "tok_per_s": n_out / dt, "load_s": load,

@@ -28,6 +28,8 @@ def load_avg() -> str:
 
 
 def run(name: str, args, reqs) -> dict:
+    from offline_throughput import timed_generate
+
     from formwork import LLM, SamplingParams
 
     dp, tp = CONFIGS[name]
@@ -38,13 +40,7 @@ def run(name: str, args, reqs) -> dict:
               kv_cache_memory_gb=args.kv_cache_memory_gb)
     load_s = time.perf_counter() - t0
     try:
-        prompts = [{"prompt_token_ids": p} for p, _ in reqs]
-        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
-        llm.generate(prompts[:2], params[:2], use_tqdm=False)                 # warm-up
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        mixed_s = time.perf_counter() - t0
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        mixed_s, n_out = timed_generate(llm, reqs)
         n_in = sum(len(p) for p, _ in reqs)
         one = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
         t0 = time.perf_counter()
