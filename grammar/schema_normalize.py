@@ -32,6 +32,7 @@ from formwork.grammar.schema_rewrites import (
     declare_required,
     drop_inapplicable,
     drop_vacuous_unique,
+    property_names_as_patterns,
     expand_dependencies,
     filter_enum,
     forbid_property,
@@ -81,7 +82,7 @@ def _rewrite_keywords(node: dict, ctx: _Ctx) -> dict | bool:
     if out is False:
         return False
     out = fold_pattern_lengths(declare_required(complete_array(drop_vacuous_unique(
-        drop_inapplicable(out)))))
+        property_names_as_patterns(drop_inapplicable(out))))))
     return expand_dependencies(out, ctx.merge, _STAY)
 
 

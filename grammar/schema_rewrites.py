@@ -6,6 +6,9 @@ to one that admits exactly the same instances (or the node itself):
 - `drop_inapplicable` / `complete_array`: keywords of types `type` excludes
   are dropped; a bounded array without `items` gets `items: {}`;
 - `drop_vacuous_unique`: uniqueItems false, or next to maxItems <= 1, dropped;
+- `property_names_as_patterns`: `propertyNames: {pattern: P}` on a node without
+  `properties`/`patternProperties` becomes `patternProperties: {P: <what
+  additionalProperties said>}` + `additionalProperties: false`;
 - `declare_required`: a required name missing from `properties` is declared
   with the schema `additionalProperties` gives it;
 - `fold_pattern_lengths`: minLength/maxLength folded into a counting pattern;
@@ -107,6 +110,29 @@ def drop_vacuous_unique(node: dict) -> dict:
                            and not isinstance(most, bool) and most <= 1):
         return {k: v for k, v in node.items() if k != "uniqueItems"}
     return node
+
+
+_NOTES = frozenset({"title", "description", "$comment", "examples"})
+
+
+def property_names_as_patterns(node: dict) -> dict:
+    """Names must match P and every value meets `additionalProperties` (there are no
+    declared or patterned names): exactly `patternProperties: {P: that}` with
+    nothing else allowed; both keywords search their regex unanchored, and both
+    apply to objects only."""
+    names = node.get("propertyNames")
+    if names is None or "unevaluatedProperties" in node:
+        return node
+    rest = {k: v for k, v in node.items() if k != "propertyNames"}
+    if isinstance(names, dict) and names.get("type") == "string":   # names are strings
+        names = {k: v for k, v in names.items() if k != "type"}
+    if (not isinstance(names, dict) or set(names) - _NOTES != {"pattern"}
+            or not isinstance(names["pattern"], str) or "properties" in node
+            or "patternProperties" in node):
+        return node
+    rest.pop("additionalProperties", None)
+    return rest | {"patternProperties": {names["pattern"]: node.get("additionalProperties", True)},
+                   "additionalProperties": False}
 
 
 def drop_inapplicable(node: dict) -> dict:

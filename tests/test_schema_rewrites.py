@@ -205,6 +205,11 @@ REWRITES = {
                    _obj({"b": STR, "c": STR}, ["b"])]},
         [{}, {"a": "x"}, {"a": "x", "b": "y"}, {"b": "y", "c": "z"}],
         [{"b": "y"}, {"a": "x", "c": "z"}, {"b": 1, "c": "z"}]),
+    "propertyNames pattern over additional properties": (
+        {"type": "object", "propertyNames": {"pattern": "^[1-9][0-9]*$"},
+         "additionalProperties": {"type": "string", "maxLength": 4}},
+        [{}, {"16": "a.pn"}, {"16": "ab", "32": "cd"}],
+        [{"x": "a"}, {"16": 3}, {"016": "a"}, {"16": "abcde"}]),
     "uniqueItems on at most one item says nothing": (
         {"type": "object", "properties": {"t": {"type": "array", "items": INT, "maxItems": 1,
                                                 "uniqueItems": True},
@@ -245,8 +250,8 @@ STILL_REJECTED = {
         {"type": "string", "pattern": "^(\\d+\\.\\d+.*)$", "maxLength": 5}, None),
     # xgrammar would take it through a rewrite, but its patterns are loose; llguidance
     # does not implement propertyNames, outlines-core neither.
-    "propertyNames with a pattern": (
-        {"type": "object", "additionalProperties": INT, "propertyNames": {"pattern": "^[0-9]+$"}},
+    "propertyNames next to declared properties": (
+        {"type": "object", "properties": {"ab": INT}, "propertyNames": {"pattern": "^[0-9]+$"}},
         None),
     "not of a pattern": ({"type": "string", "not": {"pattern": "^a"}}, None),
     "if/then on a free-string discriminator": (
