@@ -30,13 +30,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from formwork.core.engine_proc import run_engine_core
+from formwork.gpu.cpu_threads import engine_env_defaults
 from formwork.schemas.config import EngineConfig
 
 log = logging.getLogger("formwork.ray")
 
-# A Ray worker is told how many OpenMP threads to use from its CPU share; the
-# engine's own defaults (gpu/cpu_threads.engine_env_defaults) go along.
-_ENGINE_ENV = {"GOMP_SPINCOUNT": "30000"}
 
 
 def connect(address: str | None = None) -> None:
@@ -186,7 +184,9 @@ class RayEngineLauncher:
         index = self.free_bundle() if index is None else index
         strategy = PlacementGroupSchedulingStrategy(self.placement_group,
                                                     placement_group_bundle_index=index)
-        env = {k: v for k, v in _ENGINE_ENV.items() if k not in os.environ}
+        # the engine process's OpenMP defaults, as a local spawn gets them (Ray sets
+        # the worker's thread count from its CPU share)
+        env = {k: v for k, v in engine_env_defaults(config).items() if k not in os.environ}
         actor = EngineActor.options(
             scheduling_strategy=strategy, resources={}, num_cpus=self._bundle.get("CPU", 0),
             num_gpus=self._bundle.get("GPU", 0), name=None,
