@@ -188,8 +188,8 @@ class RayEngineLauncher:
         # the worker's thread count from its CPU share)
         env = {k: v for k, v in engine_env_defaults(config).items() if k not in os.environ}
         actor = EngineActor.options(
-            scheduling_strategy=strategy, resources={}, num_cpus=self._bundle.get("CPU", 0),
-            num_gpus=self._bundle.get("GPU", 0), name=None,
+            scheduling_strategy=strategy, num_cpus=self._bundle.get("CPU", 0),
+            num_gpus=self._bundle.get("GPU", 0),
             runtime_env={"env_vars": env} if env else None).remote()
         where_ref = actor.where.remote()
         # one engine per actor: the engine itself is never data-parallel
