@@ -23,7 +23,7 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
 from formwork.grammar.backend import allocate_bitmask, allowed_token_ids
-from formwork.grammar.llguidance_backend import to_llguidance
+from formwork.grammar.llguidance_grammar import to_llguidance
 from formwork.grammar.schema_check import UnsupportedSchemaError, check_schema, find_issues
 from formwork.grammar.schema_lengths import fold_lengths
 from formwork.grammar.schema_oneof import pairwise_disjoint

@@ -1,0 +1,260 @@
+"""What llguidance enforces for a request: `to_llguidance(params)` checks a
+constraint (JSON Schema, regex, choice, Lark/GBNF grammar, structural tag) and
+returns the llguidance grammar string for it, or refuses it with the keyword and
+JSON path named. Needs no tokenizer and no torch: the gateway's admission check and
+the compile pool both call it (grammar/llguidance_backend.py builds matchers).
+
+llguidance's JSON-Schema compiler enforces what it accepts and refuses the rest
+("Unimplemented keys: [...]"); formwork never lets a schema switch it to its
+`lenient` mode. Its strings follow RFC 8259 (no raw control characters) and its
+`pattern`s are exact. Where a schema allows properties it does not declare,
+llguidance generates them too (the output language is the schema's).
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import jsonschema
+import llguidance as llg
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from formwork.grammar.regex_safety import escape_literal
+from formwork.grammar.schema_check import (
+    SchemaIssue,
+    UnsupportedSchemaError,
+    check_metaschema,
+    locate_keyword,
+    native_schema_error,
+)
+from formwork.grammar.schema_formats import backend_format, raise_lowest_bound
+from formwork.grammar.schema_normalize import map_subschemas, normalize
+from formwork.grammar.schema_oneof import inferred_types, pairwise_disjoint
+from formwork.grammar.schema_rewrites import close_declared
+from formwork.grammar.schema_walk import iter_nodes, map_ref_targets, validator_class
+from formwork.grammar.structural_tag import triggered_tags
+from formwork.schemas.structured import StructuredOutputsParams
+
+# A schema's own "x-guidance" options are applied before these, so it can never
+# turn on `lenient` (ignore unimplemented keywords) or `coerce_one_of` (oneOf as anyOf).
+_SOUND = {"lenient": False, "coerce_one_of": False}
+# The formats llguidance 1.9.1 implements (measured: the others are "Unknown format").
+FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4",
+                     "ipv6", "uri", "uuid"})
+# Measured: a lower bound at or below -2**63 + 512 fails to build ("Failed to generate
+# regex for integer range"), e.g. int64's minimum; it is raised to this instead.
+LOWEST_BOUND = -(2**63) + 1024
+_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
+_FORMAT = re.compile(r"Unknown format: (\S+)")
+_MISSING_REF = re.compile(r"Pointer '([^']*)' does not exist")
+
+
+def json_options(params: StructuredOutputsParams) -> dict[str, Any]:
+    """Whitespace: the request's pattern (checked: JSON whitespace only), none at all,
+    or at most `max_whitespace` characters per run."""
+    if params.whitespace_pattern is not None:
+        return {"whitespace_flexible": True, "whitespace_pattern": f"(?:{params.whitespace_pattern})"}
+    if params.whitespace == "compact" or params.max_whitespace == 0:
+        return {"whitespace_flexible": False}
+    return {"whitespace_flexible": True,
+            "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{params.max_whitespace}}}"}
+
+
+def _grammar_error(grammar: str) -> str:
+    """'' if llguidance builds `grammar` (no tokenizer needed), else its error."""
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0].strip() if is_error else ""
+
+
+def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
+    """llguidance's refusal as keyword + JSON path (the first node holding it)."""
+    if m := _MISSING_REF.search(message):
+        ref = "#" + m.group(1)
+        path = next((n.path for n in iter_nodes(schema) if n.schema.get("$ref") == ref), "$")
+        return UnsupportedSchemaError([SchemaIssue(
+            "$ref", path, f"cannot resolve {ref!r}: nothing at that JSON pointer from the "
+                          "schema's root")], "llguidance")
+    if m := _UNIMPLEMENTED.search(message):
+        keywords = json.loads(f"[{m.group(1)}]") or ["?"]
+    elif m := _FORMAT.search(message):
+        keywords = ["format"]
+    elif "oneOf" in message:
+        keywords = ["oneOf"]
+        message = "oneOf branches are not provably disjoint"
+    elif "required item is unsatisfiable" in message:      # minItems past what items allow
+        keywords = ["minItems"]
+    elif "required property" in message:
+        keywords = ["required"]
+    else:
+        return native_schema_error(schema, message, "llguidance")
+    issues = [SchemaIssue(kw, locate_keyword(schema, kw), f"llguidance: {message.splitlines()[0]}")
+              for kw in keywords]
+    return UnsupportedSchemaError(issues, "llguidance")
+
+
+def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
+    """`schema` as generated: objects closed to their declared properties by default,
+    formats as llguidance serves them (`backend_format`)."""
+    if isinstance(schema, dict):
+        draft3 = validator_class(schema) is jsonschema.Draft3Validator
+        schema = map_subschemas(schema, lambda n: raise_lowest_bound(
+            backend_format(n, FORMATS, draft3), LOWEST_BOUND))
+    if params.additional_properties == "declared" and isinstance(schema, dict) \
+            and '"allOf"' not in json.dumps(schema):    # closing allOf branches would clash
+        schema = map_subschemas(schema, close_declared)
+    return {} if schema is True else schema
+
+
+def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
+    return llg.LLMatcher.grammar_from_json_schema(
+        _closed(schema, params), defaults=json_options(params), overrides=_SOUND)
+
+
+def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, str]:
+    """(schema, grammar): `schema` or formwork's equivalent rewrite of it (allOf
+    merged, provably disjoint oneOf as anyOf, ...) when llguidance refuses the
+    original, with the grammar that enforces it."""
+    check_metaschema(schema)
+    if schema is False:
+        raise UnsupportedSchemaError([SchemaIssue("false", "$", "the schema admits no value")],
+                                     "llguidance")
+    grammar = _json_grammar(schema, params)
+    error = _grammar_error(grammar)
+    if not error:
+        return schema, grammar
+    normalized = normalize(schema)
+    for rewritten in (normalized, _disjoint_one_of_as_any_of(_state_types(normalized))):
+        if rewritten is not schema and isinstance(rewritten, dict):
+            grammar = _json_grammar(rewritten, params)
+            if not _grammar_error(grammar):
+                return rewritten, grammar
+    raise _schema_error(schema, error)
+
+
+def _checked_json(schema: Any, params: StructuredOutputsParams) -> str:
+    return _checked_schema(schema, params)[1]
+
+
+def _lark_text(text: str) -> str:
+    return json.dumps(text) if text else ""
+
+
+def _structural_tag_lark(spec: Any, params: StructuredOutputsParams) -> str:
+    """Free text in which each trigger starts a tag: the trigger is a lazy lexeme
+    (it ends the text as soon as it appears), then the rest of `begin`, the JSON
+    its schema allows, and `end` (llguidance's documented tool-calling shape)."""
+    tt = triggered_tags(spec, params, check=lambda s: _checked_schema(s, params)[0])
+    lines, rules = ["%llguidance {}"], []
+    for i, (begin, schema, end) in enumerate(tt.tags):
+        trigger = max((t for t in tt.triggers if begin.startswith(t)), key=len)
+        embedded = _closed(schema, params)
+        embedded = (embedded if isinstance(embedded, dict) else {}) | {"x-guidance": {
+            **json_options(params), **(embedded.get("x-guidance") or {}), **_SOUND}}
+        lines.append(f"tag_{i}_trig[lazy]: TEXT {_lark_text(trigger)}")
+        lines.append(f"tag_{i}: tag_{i}_trig {_lark_text(begin[len(trigger):])} "
+                     f"%json {json.dumps(embedded)} {_lark_text(end)}")
+        rules.append(f"tag_{i}")
+    any_tag = "(" + " | ".join(rules) + ")"
+    if tt.stop_after_first:
+        start = any_tag if tt.at_least_one else f"TEXT | {any_tag}"
+    else:
+        start = f"{any_tag}{'+' if tt.at_least_one else '*'} TEXT"
+    lines += [f"start: {start}", "TEXT: /(.|\\n)*/"]
+    return "\n".join(lines)
+
+
+_VALUES = frozenset({"enum", "const", "default", "examples"})   # data, never schemas
+
+
+def _state_types(root: Any) -> Any:
+    """`state_inferred_type` on every subschema, `$ref` targets anywhere included."""
+    if not isinstance(root, dict):
+        return root
+    root = map_subschemas(root, state_inferred_type)
+    return map_ref_targets(root, lambda n: map_subschemas(n, state_inferred_type),
+                           skip=lambda parts: False)
+
+
+def state_inferred_type(node: dict) -> dict:
+    """`node` with the type formwork's oneOf proofs assume it generates (`object`
+    for `properties`, `array` for `items`, as xgrammar infers) stated: llguidance
+    generates every type for a node without `type`, and `"x"` passes two untyped
+    object branches, so it is no member of their oneOf. Stricter only on values
+    of other types."""
+    types = inferred_types(node)
+    return node | {"type": next(iter(types))} if "type" not in node and types is not None \
+        and len(types) == 1 else node
+
+
+def _disjoint_one_of_as_any_of(root: Any) -> Any:
+    """`root` with each oneOf whose branches formwork proves pairwise disjoint
+    spelled anyOf (the same language); llguidance proves fewer of them itself."""
+    if not isinstance(root, dict):
+        return root
+    validator = validator_class(root)(root)
+
+    def rewrite(node: Any) -> Any:
+        """Every object of the document, not only the subschemas map_subschemas
+        knows: a `$ref` may point anywhere (`#/onvif/ptz/SpaceSelector`)."""
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        node = {k: v if k in _VALUES else rewrite(v) for k, v in node.items()}
+        if isinstance(node.get("oneOf"), list) and "anyOf" not in node and \
+                pairwise_disjoint(node["oneOf"], root, validator):
+            node = {("anyOf" if k == "oneOf" else k): v for k, v in node.items()}
+        return node
+    return rewrite(root)
+
+
+# Grammars already checked: `auto` checks a constraint, then the compile pool
+# compiles it; without this the grammar would be built and validated twice.
+_CHECKED: OrderedDict[str, str] = OrderedDict()
+_CHECKED_LOCK = threading.Lock()
+_CHECKED_SIZE = 512
+
+
+def to_llguidance(params: StructuredOutputsParams) -> str:
+    """Check `params` and return the llguidance grammar (a string) that enforces it."""
+    key = params.cache_key()
+    with _CHECKED_LOCK:
+        if key in _CHECKED:
+            _CHECKED.move_to_end(key)
+            return _CHECKED[key]
+    grammar = _checked_grammar(params)
+    with _CHECKED_LOCK:
+        _CHECKED[key] = grammar
+        while len(_CHECKED) > _CHECKED_SIZE:
+            _CHECKED.popitem(last=False)
+    return grammar
+
+
+def _checked_grammar(params: StructuredOutputsParams) -> str:
+    kind, spec = params.kind(), params.spec()
+    if kind == "json":
+        return _checked_json(spec, params)
+    if kind == "json_object":
+        return _json_grammar({"type": "object"}, params)
+    if kind == "regex":
+        grammar = llg.LLMatcher.grammar_from_regex(spec)
+    elif kind == "choice":
+        grammar = llg.LLMatcher.grammar_from_regex("|".join(f"({escape_literal(c)})" for c in spec))
+    elif kind == "structural_tag":
+        grammar = llg.LLMatcher.grammar_from_lark(_structural_tag_lark(spec, params))
+    elif kind == "grammar":
+        # xgrammar's EBNF is GBNF; anything without `::=` is taken as Lark.
+        try:
+            lark = gbnf_to_lark(spec) if "::=" in spec else spec
+        except Exception as err:   # the converter raises bare Exceptions/AssertionErrors
+            raise ValueError(f"llguidance cannot convert this grammar to Lark: {err}") from None
+        grammar = llg.LLMatcher.grammar_from_lark(lark)
+    else:
+        raise ValueError(f"llguidance: {kind} constraints are served by backend 'xgrammar'")
+    error = _grammar_error(grammar)
+    if error:
+        raise ValueError(f"llguidance cannot compile this {kind}: {error.splitlines()[0]}")
+    return grammar
