@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from formwork.grammar.pattern_prefix import patterns_disjoint
 from formwork.grammar.schema_walk import resolve_local_ref
 
 ALL_TYPES = frozenset({"null", "boolean", "object", "array", "number", "integer", "string"})
@@ -223,63 +224,6 @@ def _member(node: dict, key: str) -> Any:
     if node.get("patternProperties") or "unevaluatedProperties" in node:
         return None
     return node.get("additionalProperties", True)
-
-
-def _prefix(pattern: Any) -> list[str | None] | None:
-    """The characters every match of a `^`-anchored pattern starts with, one
-    entry per code point (None: some character), or None if not provable."""
-    if not isinstance(pattern, str) or not pattern.startswith("^"):
-        return None
-    depth, i, in_class = 0, 0, False
-    while i < len(pattern):                # no top-level alternation anywhere
-        c = pattern[i]
-        if c == "\\":
-            i += 1
-        elif in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            i += 1 if pattern[i + 1:i + 2] == "^" else 0
-            i += 1 if pattern[i + 1:i + 2] == "]" else 0
-        elif c in "()":
-            depth += 1 if c == "(" else -1
-        elif c == "|" and depth == 0:
-            return None
-        i += 1
-    out: list[str | None] = []
-    i = 1
-    while i < len(pattern):
-        c, atom_end = pattern[i], i + 1
-        if c == "\\" and i + 1 < len(pattern):
-            e = pattern[i + 1]
-            if e in "dDwWsS":
-                char = None
-            elif e in "ntrfv":
-                char = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}[e]
-            elif not e.isalnum() and e != "_":
-                char = e
-            else:
-                break
-            atom_end = i + 2
-        elif c == ".":
-            char = None
-        elif c in "()[]{}|^$*+?":
-            break
-        else:
-            char = c
-        if pattern[atom_end:atom_end + 1] in ("*", "+", "?", "{"):
-            break
-        out.append(char)
-        i = atom_end
-    return out
-
-
-def patterns_disjoint(a: Any, b: Any) -> bool:
-    """No string contains a match of both patterns (Python `re.search`)."""
-    pa, pb = _prefix(a), _prefix(b)
-    if pa is None or pb is None:
-        return False
-    return any(x is not None and y is not None and x != y for x, y in zip(pa, pb))
 
 
 def _patterns_exclude(g: dict, v: dict) -> bool:

@@ -30,6 +30,7 @@ import json
 import re
 from typing import Any
 
+from formwork.grammar.pattern_prefix import patterns_disjoint
 from formwork.grammar.regex_safety import ecma_ascii_classes, pattern_is_json_safe
 from formwork.grammar.schema_lengths import MAX_FOLDED_COUNT, is_plain_length_pattern
 from formwork.grammar.schema_oneof import (
@@ -37,7 +38,6 @@ from formwork.grammar.schema_oneof import (
     emitted_forms,
     inferred_types as _types,
     pairwise_disjoint,
-    patterns_disjoint,
 )
 from formwork.grammar.schema_walk import SchemaNode, is_legacy_draft, resolve_local_ref
 
