@@ -51,7 +51,7 @@ def invoice_doc(rng: random.Random) -> str:
 
 
 def run_mode(llm, docs, opts, batched: bool) -> dict:
-    from formwork.gateway.extract import extract_offline
+    from formwork.gateway.extract.offline import extract_offline
     t0 = time.perf_counter()
     records: list[dict] = []
     if batched:
@@ -83,8 +83,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
 
-    from formwork.gateway.extract import ExtractOptions
-    from formwork.gateway.extract_io import Document, load_schema
+    from formwork.gateway.extract.inputs import Document, load_schema
+    from formwork.gateway.extract.prompt import ExtractOptions
     from formwork.gateway.llm import LLM
 
     schema = load_schema(str(ROOT / "examples" / "schemas" / f"{args.kind}.json"))

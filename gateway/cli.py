@@ -1,7 +1,7 @@
 """The `formwork` command: `formwork serve [MODEL] ...` and `formwork extract ...`.
 
-`extract` lives in gateway/extract.py (add_arguments(parser), run(args) -> int)
-and is imported only when that subcommand runs.
+`extract` lives in gateway/extract/cli.py (add_arguments(parser), run(args) -> int)
+and is imported only when that subcommand runs; it imports nothing from here.
 """
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     add_serve_arguments(sub.add_parser("serve", help="run the OpenAI-compatible server"))
     extract = sub.add_parser("extract", help="extract structured data from text with a schema")
     if argv[:1] == ["extract"]:
-        from formwork.gateway import extract as extract_mod
-        extract_mod.add_arguments(extract)
+        from formwork.gateway.extract import cli as extract_cli  # the app: only when it runs
+        extract_cli.add_arguments(extract)
     return parser
 
 
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     if args.command == "serve":
         return serve(args)
-    from formwork.gateway import extract as extract_mod
-    return extract_mod.run(args)
+    from formwork.gateway.extract import cli as extract_cli
+    return extract_cli.run(args)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from formwork.gateway.tools import ToolMode, parameters_schema, parse_tool_output, tag_answer
+from formwork.gateway.tool_parser import parse_tool_output
+from formwork.gateway.tools import ToolMode, parameters_schema, tag_answer
 from formwork.grammar.schema_walk import validator_class
 from formwork.schemas.openai import OutputCheck
 from formwork.schemas.structured import StructuredOutputsParams

@@ -26,7 +26,7 @@ from formwork.gateway.responses_store import ResponseStore, StoredResponse
 from formwork.gateway.serving import (ServerState, blame, generate_final, run_until_disconnect,
                                       stream_outputs)
 from formwork.gateway.serving_chat import PreparedChat, prepare_chat
-from formwork.gateway.tools import ToolStreamParser, parse_tool_output
+from formwork.gateway.tool_parser import ToolStreamParser, parse_tool_output
 from formwork.schemas.openai import ToolCall
 from formwork.schemas.responses import (FunctionCallItem, IncompleteDetails, OutputItem,
                                         OutputMessage, OutputText, ResponseObject, ResponsesRequest,

@@ -20,8 +20,9 @@ import jsonschema
 import pytest
 
 import formwork.gateway.llm
-from formwork.gateway import extract
-from formwork.gateway.extract_io import Document, UsageError, collect_documents, judge, make_validator
+from formwork.gateway.extract import cli as extract_cli
+from formwork.gateway.extract.inputs import Document, UsageError, collect_documents, load_schema
+from formwork.gateway.extract.records import judge, make_validator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCHEMA = {
@@ -48,7 +49,7 @@ class Person(BaseModel):
 
 def parse(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    extract.add_arguments(p)
+    extract_cli.add_arguments(p)
     return p.parse_args(list(argv))
 
 
@@ -115,7 +116,7 @@ def test_bad_schema_is_a_usage_error_before_any_model(tmp_path, monkeypatch, cap
     (tmp_path / "s.json").write_text(schema_text)
     write_tree(tmp_path / "docs", DOCS)
     out = tmp_path / "out.jsonl"
-    rc = extract.run(parse("--schema", str(tmp_path / "s.json"), str(tmp_path / "docs"),
+    rc = extract_cli.run(parse("--schema", str(tmp_path / "s.json"), str(tmp_path / "docs"),
                            "-o", str(out)))
     assert rc == 2
     err = capsys.readouterr().err
@@ -130,14 +131,13 @@ def test_bad_pydantic_reference_is_a_usage_error(tmp_path, monkeypatch, capsys):
     for spec, expected in ((f"{tmp_path}/m.py:Nobody", "AttributeError"),
                            (f"{tmp_path}/missing.py:Person", "no such file"),
                            ("no_such_module_xyz:Person", "ModuleNotFoundError")):
-        assert extract.run(parse("--schema", spec, str(tmp_path / "docs"))) == 2
+        assert extract_cli.run(parse("--schema", spec, str(tmp_path / "docs"))) == 2
         assert expected in capsys.readouterr().err
 
 
 def test_example_schemas_load_and_agree():
     """The shipped examples pass every check, and the pydantic contact model
     demands what contact.json demands."""
-    from formwork.gateway.extract_io import load_schema
     load_schema(str(ROOT / "examples/schemas/invoice.json"))
     js = load_schema(str(ROOT / "examples/schemas/contact.json"))
     py = load_schema(str(ROOT / "examples/schemas/contact_model.py:Contact"))
@@ -225,7 +225,7 @@ def test_folder_to_jsonl_then_resume(llm, tmp_path, schema_file, capsys):
     docs = write_tree(tmp_path / "docs", {**DOCS, "ignored.csv": "x"})
     out = tmp_path / "out.jsonl"
     args = cli_args(schema_file, docs, out)
-    rc = extract.run(parse(*args), llm=llm)
+    rc = extract_cli.run(parse(*args), llm=llm)
     records = read_records(out)
     check_records(records, SCHEMA, set(DOCS))
     assert rc == (0 if all(r["valid"] for r in records) else 1)
@@ -233,11 +233,11 @@ def test_folder_to_jsonl_then_resume(llm, tmp_path, schema_file, capsys):
     assert "2 documents:" in capsys.readouterr().err
 
     before = out.read_text()
-    assert extract.run(parse(*args, "--resume"), llm=llm) == 0
+    assert extract_cli.run(parse(*args, "--resume"), llm=llm) == 0
     assert out.read_text() == before and "nothing to do" in capsys.readouterr().err
 
     (docs / "c.txt").write_text("Li Wei was born in Shanghai.")
-    extract.run(parse(*args, "--resume"), llm=llm)
+    extract_cli.run(parse(*args, "--resume"), llm=llm)
     after = read_records(out)
     assert out.read_text().startswith(before) and len(after) == 3
     assert after[-1]["id"] == "c.txt"
@@ -265,7 +265,7 @@ def test_interrupted_run_keeps_finished_records_and_resumes(llm, tmp_path, schem
     out = tmp_path / "out.jsonl"
     args = cli_args(schema_file, docs, out)
     wrapped = InterruptAfterFirst(llm)
-    assert extract.run(parse(*args), llm=wrapped) == 130
+    assert extract_cli.run(parse(*args), llm=wrapped) == 130
     assert "rerun with --resume" in capsys.readouterr().err
     first = read_records(out)
     assert wrapped.finished == 1 and len(first) == 1      # written before the others finished
@@ -275,7 +275,7 @@ def test_interrupted_run_keeps_finished_records_and_resumes(llm, tmp_path, schem
     stats = llm.get_stats()                 # the engine's own view, across the process boundary
     assert stats.num_running == stats.num_waiting == 0
     assert stats.kv_free_blocks == stats.kv_total_blocks   # every block free or cached
-    extract.run(parse(*args, "--resume"), llm=llm)
+    extract_cli.run(parse(*args, "--resume"), llm=llm)
     after = read_records(out)
     assert after[0] == first[0] and len(after) == 3
     check_records(after, SCHEMA, {"a.txt", "notes/b.md", "c.txt"})
@@ -286,7 +286,7 @@ def test_pydantic_model_schema(llm, tmp_path):
     (tmp_path / "person_model.py").write_text(MODEL_FILE)
     docs = write_tree(tmp_path / "docs", DOCS)
     out = tmp_path / "out.jsonl"
-    extract.run(parse("--schema", f"{tmp_path}/person_model.py:Person", str(docs), "-o", str(out),
+    extract_cli.run(parse("--schema", f"{tmp_path}/person_model.py:Person", str(docs), "-o", str(out),
                       "--max-tokens", str(MAX_TOKENS), "-q"), llm=llm)
     records = read_records(out)
     sys.path.insert(0, str(tmp_path))
@@ -305,7 +305,7 @@ def test_too_long_document_is_truncated_or_skipped(llm, tmp_path, schema_file, c
     long_text = "Jane Doe lives in Paris. " + "She bakes bread every morning. " * 150
     docs = write_tree(tmp_path / "docs", {"long.txt": long_text, **DOCS})
     out = tmp_path / "out.jsonl"
-    extract.run(parse("--schema", str(schema_file), str(docs), "-o", str(out),
+    extract_cli.run(parse("--schema", str(schema_file), str(docs), "-o", str(out),
                       "--max-tokens", str(MAX_TOKENS), "-q"), llm=llm)
     assert "long.txt: too long, truncated" in capsys.readouterr().err
     records = {r["id"]: r for r in read_records(out)}
@@ -317,9 +317,9 @@ def test_too_long_document_is_truncated_or_skipped(llm, tmp_path, schema_file, c
     assert not any(records[d]["truncated"] for d in DOCS)
 
     skip = ("--schema", str(schema_file), str(docs / "long.txt"), "-o", str(out), "-q")
-    assert extract.run(parse(*skip, "--on-long", "skip"), llm=llm) == 2   # 512 tokens: no room
+    assert extract_cli.run(parse(*skip, "--on-long", "skip"), llm=llm) == 2   # 512 tokens: no room
     assert "--max-tokens 512 leaves no room" in capsys.readouterr().err
-    rc = extract.run(parse(*skip, "--on-long", "skip", "--max-tokens", str(MAX_TOKENS)), llm=llm)
+    rc = extract_cli.run(parse(*skip, "--on-long", "skip", "--max-tokens", str(MAX_TOKENS)), llm=llm)
     (rec,) = read_records(out)
     assert rc == 1 and rec["valid"] is False and rec["finish_reason"] is None
     assert "skipped (--on-long skip)" in rec["error"] and rec["usage"]["completion_tokens"] == 0

@@ -15,8 +15,9 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from formwork.gateway import extract, extract_prompt
-from formwork.gateway.extract_io import Document
+from formwork.gateway.extract import cli as extract_cli
+from formwork.gateway.extract import prompt
+from formwork.gateway.extract.inputs import Document
 from test_extract import DOCS as BASE_DOCS
 from test_extract import MAX_MODEL_LEN, MAX_TOKENS, SCHEMA, parse
 from test_server import KEY, Server, free_port
@@ -45,7 +46,7 @@ def setup(tmp_path):
 def test_extract_through_server(server_url, setup, capsys):
     schema, docs, out = setup
     (docs / "long.txt").write_text("Jane Doe lives in Paris. " * 200)   # > the server's context
-    rc = extract.run(parse("--schema", str(schema), str(docs), "-o", str(out), "-q",
+    rc = extract_cli.run(parse("--schema", str(schema), str(docs), "-o", str(out), "-q",
                            "--server", server_url, "--api-key", KEY, "--max-tokens", str(MAX_TOKENS),
                            "--concurrency", "2"))
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
@@ -72,7 +73,7 @@ def test_long_document_skipped_through_server(server_url, setup, capsys):
     schema, docs, out = setup
     long = docs.parent / "long.txt"
     long.write_text("Jane Doe lives in Paris. " * 200)
-    rc = extract.run(parse("--schema", str(schema), str(long), "-o", str(out), "-q",
+    rc = extract_cli.run(parse("--schema", str(schema), str(long), "-o", str(out), "-q",
                            "--server", server_url, "--api-key", KEY, "--max-tokens", str(MAX_TOKENS),
                            "--on-long", "skip"))
     [rec] = [json.loads(line) for line in out.read_text().splitlines()]
@@ -86,10 +87,10 @@ def test_server_refusals(server_url, setup, capsys):
     schema, docs, out = setup
     common = ("--schema", str(schema), str(docs), "-o", str(out), "-q", "--server", server_url)
     # the model list is refused: a setup error, nothing written
-    assert extract.run(parse(*common, "--api-key", "wrong")) == 2
+    assert extract_cli.run(parse(*common, "--api-key", "wrong")) == 2
     assert "cannot list its models" in capsys.readouterr().err and not out.exists()
     # each request refused: every document recorded as failed
-    rc = extract.run(parse(*common, "--api-key", "wrong", "--server-model", "any"))
+    rc = extract_cli.run(parse(*common, "--api-key", "wrong", "--server-model", "any"))
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert rc == 1 and sorted(r["id"] for r in records) == sorted(DOCS)
     assert all(r["error"].startswith("server error 401") and not r["valid"] for r in records)
@@ -98,7 +99,7 @@ def test_server_refusals(server_url, setup, capsys):
 
 def test_unreachable_server_is_a_setup_error(setup, capsys):
     schema, docs, out = setup
-    rc = extract.run(parse("--schema", str(schema), str(docs), "-o", str(out), "-q",
+    rc = extract_cli.run(parse("--schema", str(schema), str(docs), "-o", str(out), "-q",
                            "--server", f"http://127.0.0.1:{free_port()}", "--timeout", "5"))
     assert rc == 2 and "cannot list its models" in capsys.readouterr().err
     assert not out.exists()
@@ -173,7 +174,7 @@ def test_long_document_against_stub(stub, setup, capsys):
     url, seen, has_tokenize = stub
     schema, docs, out = setup
     (docs / "long.txt").write_text(LONG_TEXT)
-    rc = extract.run(parse("--schema", str(schema), str(docs), "-o", str(out), "-q",
+    rc = extract_cli.run(parse("--schema", str(schema), str(docs), "-o", str(out), "-q",
                            "--server", url + "/v1", "--max-tokens", str(MAX_TOKENS)))
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     err = capsys.readouterr().err
@@ -201,7 +202,7 @@ def test_long_document_skipped_against_stub(stub, setup, capsys):
     url, seen, _ = stub
     schema, docs, out = setup
     (docs / "long.txt").write_text(LONG_TEXT)
-    rc = extract.run(parse("--schema", str(schema), str(docs), "-o", str(out), "-q",
+    rc = extract_cli.run(parse("--schema", str(schema), str(docs), "-o", str(out), "-q",
                            "--server", url, "--max-tokens", str(MAX_TOKENS), "--on-long", "skip"))
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert rc == 1 and sorted(seen) == sorted(DOCS.values())
@@ -209,7 +210,7 @@ def test_long_document_skipped_against_stub(stub, setup, capsys):
     assert "skipped (--on-long skip)" in records["long.txt"]["error"]
     assert "long.txt: too long, skipped" in capsys.readouterr().err
     # --max-tokens beyond the server's context: a usage error before anything is sent
-    assert extract.run(parse("--schema", str(schema), str(docs), "-o", str(out), "-q",
+    assert extract_cli.run(parse("--schema", str(schema), str(docs), "-o", str(out), "-q",
                              "--server", url, "--max-tokens", str(STUB_LEN))) == 2
     assert "leaves no room" in capsys.readouterr().err
 
@@ -231,27 +232,27 @@ class ShiftyMeter:
 
 @pytest.mark.parametrize("doc_len", [0, 100, 400, 600, 2000])
 def test_fit_document_steps_back_after_a_shift(doc_len):
-    opts = extract_prompt.ExtractOptions(schema=SCHEMA, max_tokens=MAX_TOKENS)
+    opts = prompt.ExtractOptions(schema=SCHEMA, max_tokens=MAX_TOKENS)
     meter, text = ShiftyMeter(), "x" * doc_len
     budget = 1000 - MAX_TOKENS
-    empty = meter.count(extract_prompt.build_messages("", opts))
-    cut, full, n = extract_prompt.fit_document(meter, text, opts, 1000)
+    empty = meter.count(prompt.build_messages("", opts))
+    cut, full, n = prompt.fit_document(meter, text, opts, 1000)
     assert full == empty + doc_len
     if full <= budget:
         assert (cut, n) == (text, full)
     else:
-        assert n <= budget and n == meter.count(extract_prompt.build_messages(cut, opts))
+        assert n <= budget and n == meter.count(prompt.build_messages(cut, opts))
         assert cut.endswith("|") and n >= budget - 3
     with pytest.raises(ValueError, match="no room"):
-        extract_prompt.fit_document(meter, text + "y", opts, empty + MAX_TOKENS - 1)
+        prompt.fit_document(meter, text + "y", opts, empty + MAX_TOKENS - 1)
 
 
 def test_fitted_prompt_records_what_it_does_not_send(capsys):
-    opts = extract_prompt.ExtractOptions(schema=SCHEMA, max_tokens=MAX_TOKENS, on_long="skip")
+    opts = prompt.ExtractOptions(schema=SCHEMA, max_tokens=MAX_TOKENS, on_long="skip")
     doc = Document("d", "d.txt", "x" * 2000)
-    rec = extract_prompt.fitted_prompt(doc, opts, ShiftyMeter(), 1000)
+    rec = prompt.fitted_prompt(doc, opts, ShiftyMeter(), 1000)
     assert rec["error"].startswith("document too long") and not rec["valid"]
     assert "d: too long, skipped" in capsys.readouterr().err
-    messages, truncated = extract_prompt.fitted_prompt(
+    messages, truncated = prompt.fitted_prompt(
         doc, dataclasses.replace(opts, on_long="truncate"), ShiftyMeter(), 1000)
     assert truncated and messages[1]["content"].endswith("|")

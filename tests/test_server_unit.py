@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from formwork.gateway.errors import APIError, from_value_error, install_error_handlers
 from formwork.gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens, sampling_params,
                             structured_from_request)
-from formwork.gateway.tools import (ToolMode, ToolStreamParser, parse_tool_output, resolve_tool_mode,
-                           tool_constraint)
+from formwork.gateway.tool_parser import ToolStreamParser, parse_tool_output
+from formwork.gateway.tools import ToolMode, resolve_tool_mode, tool_constraint
 from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
 
 MSGS = [{"role": "user", "content": "hi"}]

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from formwork.gateway.tools import parse_tool_output, resolve_tool_mode, tool_constraint
+from formwork.gateway.tool_parser import parse_tool_output
+from formwork.gateway.tools import resolve_tool_mode, tool_constraint
 from formwork.schemas.openai import ChatCompletionRequest
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -30,10 +31,10 @@ def _mode(choice: str, parallel: bool, messages=REPEAT):
 
 @pytest.fixture(scope="module")
 def grammar():
-    from formwork.core.tokenizer import load_tokenizer
+    from formwork.gpu.model_files import load_model_tokenizer
     from formwork.grammar.vocab import TokenVocab
     from formwork.grammar.xgrammar_backend import XGrammarBackend
-    tok = load_tokenizer(None)
+    tok = load_model_tokenizer(None)
     vocab = TokenVocab.from_tokenizer(tok, 49152)
     backend = XGrammarBackend(vocab)
 

@@ -27,7 +27,7 @@ the end of the document is cut so that it fits; a warning goes to stderr and
 the record says "truncated": true. `--on-long skip` records such a document as
 failed instead. Offline the engine's tokenizer measures the prompt; with
 --server the server's POST /tokenize and /detokenize do (see
-gateway/extract_server.py), and a server without them gets documents whole.
+gateway/extract/server.py), and a server without them gets documents whole.
 
 Ids: a file found in a folder -> its path relative to that folder; a file named
 on the command line -> the path as given; `-` -> "stdin"; a JSONL line -> its
@@ -48,9 +48,12 @@ import sys
 import time
 
 from formwork.gateway.engine_args import add_engine_arguments, engine_config
-from formwork.gateway.extract_io import (DEFAULT_GLOBS, Document, RecordSink, Summary, UsageError,
-                                collect_documents, done_ids, load_schema)
-from formwork.gateway.extract_prompt import DEFAULT_INSTRUCTIONS, ExtractOptions, extract_offline
+from formwork.gateway.extract.inputs import (DEFAULT_GLOBS, Document, UsageError, collect_documents,
+                                             load_schema)
+from formwork.gateway.extract.offline import extract_offline
+from formwork.gateway.extract.prompt import DEFAULT_INSTRUCTIONS, ExtractOptions
+from formwork.gateway.extract.records import RecordSink, Summary, done_ids
+from formwork.gateway.extract.server import extract_server
 
 # -- command line ---------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,7 +120,7 @@ def _prepare(args: argparse.Namespace) -> tuple[ExtractOptions, list[Document]]:
 
 
 def _load_llm(args: argparse.Namespace, quiet: bool):
-    from formwork.gateway.llm import LLM
+    from formwork.gateway.llm import LLM  # torch and the engine: only when a model is loaded here
 
     try:
         config = engine_config(args)
@@ -144,7 +147,6 @@ def run(args: argparse.Namespace, *, llm=None) -> int:
                   file=sys.stderr)
             return 0
         if args.server:
-            from formwork.gateway.extract_server import extract_server
             t0 = time.perf_counter()
             asyncio.run(extract_server(
                 docs, opts, emit, base_url=args.server, api_key=args.api_key,
@@ -174,6 +176,3 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 time, to a running `formwork serve` or any OpenAI-compatible server, and each
 record is emitted as its document completes.
 
-Long documents are handled as offline (gateway/extract_prompt.py `fitted_prompt`): the
+Long documents are handled as offline (prompt.py `fitted_prompt`): the
 prompt is measured with the server's POST /tokenize in its messages form (so the
 chat template counts) against the max_model_len it reports, and a document that
 does not leave room for --max-tokens is cut (tokens through /tokenize, the
@@ -19,8 +19,9 @@ import urllib.parse
 
 import httpx
 
-from formwork.gateway.extract_prompt import ExtractOptions, build_messages, fitted_prompt, warn
-from formwork.gateway.extract_io import Document, UsageError, judge, make_record, make_validator
+from formwork.gateway.extract.inputs import Document, UsageError
+from formwork.gateway.extract.prompt import ExtractOptions, build_messages, fitted_prompt, warn
+from formwork.gateway.extract.records import judge, make_record, make_validator
 
 NO_ROUTE = (404, 405, 501)
 
@@ -34,7 +35,7 @@ class MeasureError(Exception):
 
 
 class ServerMeter:
-    """TokenMeter (gateway/extract.py) over the server's /tokenize and /detokenize.
+    """TokenMeter (prompt.py) over the server's /tokenize and /detokenize.
     Blocking; called from worker threads (httpx.Client is thread-safe). Every
     /tokenize answer refreshes `max_model_len`."""
 

@@ -1,7 +1,7 @@
-"""The engine-independent core of `formwork extract` (gateway/extract.py is the
-command): the options, the prompt for one document, fitting a long document
-into the context, and the offline run over an `LLM`. gateway/extract_server.py
-builds on these for --server; neither imports the command.
+"""The engine-independent core of `formwork extract`: the options, the prompt for
+one document, and fitting a long document into the context, measured by a
+TokenMeter. offline.py (an in-process `LLM`) and server.py (--server) build on
+these; cli.py is the command over both.
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from formwork.gateway.extract_io import Document, judge, make_record, make_validator
+from formwork.gateway.extract.inputs import Document
+from formwork.gateway.extract.records import make_record
 from formwork.schemas.sampling import SamplingParams
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -113,31 +114,3 @@ def fitted_prompt(doc: Document, opts: ExtractOptions, meter: TokenMeter,
     warn(f"{doc.id}: too long, truncated to {n} prompt tokens ({why})")
     return build_messages(text, opts), True
 
-
-# -- the two ways to run --------------------------------------------------
-def extract_offline(llm, docs: list[Document], opts: ExtractOptions, emit, *,
-                    progress: bool = True) -> None:
-    """Calls `emit(record)` for every document as soon as its record is known:
-    unsent ones (errors, skipped) first, then each sent one as it finishes, so
-    an interrupted run leaves its finished records behind for --resume. Every
-    document that is sent goes to `llm.chat` in one call, so the engine
-    batches them continuously."""
-    validator, meter = make_validator(opts.schema), LocalMeter(llm.tokenizer)
-    convs, sent = [], []                    # sent[k]: (index in docs, truncated) of convs[k]
-    for i, doc in enumerate(docs):
-        prompt = (make_record(doc, error=doc.error) if doc.error
-                  else fitted_prompt(doc, opts, meter, llm.engine.max_model_len))
-        if isinstance(prompt, dict):
-            emit(prompt)
-        else:
-            convs.append(prompt[0])
-            sent.append((i, prompt[1]))
-
-    def finished(k: int, out) -> None:
-        i, truncated = sent[k]
-        c = out.outputs[0]
-        emit(judge(docs[i], c.text, c.finish_reason, validator, truncated=truncated,
-                   usage=(len(out.prompt_token_ids), len(c.token_ids)), error=c.error))
-
-    if convs:
-        llm.chat(convs, opts.sampling_params(), use_tqdm=progress, on_finished=finished)

@@ -1,0 +1,127 @@
+"""The JSONL records of `formwork extract`: one per document, parsed and
+validated against the schema (`judge`), counted (`Summary`), written line by
+line (`RecordSink`) and read back for --resume (`done_ids`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import jsonschema
+
+from formwork.gateway.extract.inputs import Document
+
+
+def make_record(doc: Document, *, data=None, valid: bool = False, finish_reason=None,
+                error: str | None = None, usage: tuple[int, int] = (0, 0),
+                truncated: bool = False) -> dict:
+    return {"id": doc.id, "source": doc.source, "data": data, "valid": valid,
+            "finish_reason": finish_reason, "error": error,
+            "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1]},
+            "truncated": truncated}
+
+
+def judge(doc: Document, text: str, finish_reason: str | None, validator, *,
+          usage: tuple[int, int], truncated: bool = False, error: str | None = None) -> dict:
+    """The record of one generated output: parsed, then validated against the schema.
+    Valid only when it also finished with "stop"; `error` (engine or server) wins."""
+    rec = dict(finish_reason=finish_reason, usage=usage, truncated=truncated)
+    if error is not None:
+        return make_record(doc, error=error, **rec)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        data, error = None, f"output is not valid JSON ({e.msg} at char {e.pos}): {text[:120]!r}"
+    else:
+        best = jsonschema.exceptions.best_match(validator.iter_errors(data))
+        if best is not None:
+            error = f"schema violation at {best.json_path}: {best.message}"
+    if finish_reason == "length":
+        error = (f"output cut at --max-tokens ({usage[1]} tokens) before the JSON was complete; "
+                 "raise --max-tokens or bound the schema (maxLength, maxItems)")
+    elif finish_reason != "stop" and error is None:
+        error = f"generation ended with finish_reason {finish_reason!r}"
+    return make_record(doc, data=data, valid=error is None, error=error, **rec)
+
+
+def make_validator(schema: dict):
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
+
+
+@dataclass(slots=True)
+class Summary:
+    ok: int = 0
+    invalid: int = 0            # the model answered, but not with a valid, complete object
+    failed: int = 0             # no answer: unreadable input, skipped, engine or server error
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, rec: dict) -> None:
+        if rec["valid"]:
+            self.ok += 1
+        elif rec["finish_reason"] in ("stop", "length"):
+            self.invalid += 1
+        else:
+            self.failed += 1
+        self.prompt_tokens += rec["usage"]["prompt_tokens"]
+        self.completion_tokens += rec["usage"]["completion_tokens"]
+
+    def line(self, seconds: float) -> str:
+        n = self.ok + self.invalid + self.failed
+        s = max(seconds, 1e-9)
+        return (f"{n} document{'' if n == 1 else 's'}: {self.ok} ok, {self.invalid} invalid, {self.failed} failed "
+                f"in {seconds:.1f} s ({n / s:.2f} docs/s; {self.prompt_tokens} prompt + "
+                f"{self.completion_tokens} completion tokens, {self.completion_tokens / s:.1f} "
+                f"completion tok/s)")
+
+
+# -- output file ----------------------------------------------------------
+def done_ids(path: str) -> set[str]:
+    """Ids already recorded in the JSONL file `path` (none if it does not exist);
+    a line that does not parse (a run killed mid-write) is ignored."""
+    ids: set[str] = set()
+    if not os.path.exists(path):
+        return ids
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                ids.add(str(json.loads(line)["id"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return ids
+
+
+def _drop_partial_line(path: str) -> None:
+    """Cut a last line without its newline (a run killed mid-write) off `path`."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+class RecordSink:
+    """Writes records as JSON lines to `path` (appending with `append`) or stdout,
+    flushed line by line so that a killed run keeps what it finished."""
+
+    def __init__(self, path: str | None, append: bool = False):
+        self.path, self.append = path, append
+        self._f = None                 # opened at the first record: an early error leaves OUT alone
+
+    def _open(self):
+        if self.path is None:
+            return sys.stdout
+        if self.append and os.path.exists(self.path):
+            _drop_partial_line(self.path)
+        return open(self.path, "a" if self.append else "w", encoding="utf-8")
+
+    def write(self, rec: dict) -> None:
+        if self._f is None:
+            self._f = self._open()
+        self._f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None and self._f is not sys.stdout:
+            self._f.close()
