@@ -68,7 +68,7 @@ def _device(args):
 def run_hf(args, reqs, model_dir):
     import torch
     from transformers import AutoModelForCausalLM
-    from formwork.gpu.executor import resolve_dtype
+    from formwork.gpu.rank_setup import resolve_dtype
     device = _device(args)
     dtype = resolve_dtype(args.dtype, device)          # the same dtype formwork picked
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
@@ -117,16 +117,15 @@ def main(argv=None):
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
-    from formwork.core.tokenizer import load_tokenizer
-    from formwork.gpu.loader import resolve_model
+    from formwork.gpu.model_files import load_model_tokenizer, resolve_model
     model_dir = resolve_model(args.model)
-    tok = load_tokenizer(args.model)
+    tok = load_model_tokenizer(args.model)
     reqs = make_workload(tok, args.num_requests, args.seed)
     res = {"workload": {"requests": len(reqs), "prompt_tokens": sum(len(p) for p, _ in reqs),
                         "output_tokens": sum(o for _, o in reqs)},
            "threads": torch.get_num_threads(), "dtype": args.dtype}
     if args.dtype == "auto":
-        from formwork.gpu.executor import resolve_dtype
+        from formwork.gpu.rank_setup import resolve_dtype
         res["dtype"] = args.dtype = str(resolve_dtype("auto", _device(args))).removeprefix("torch.")
     res["formwork"] = run_formwork(args, reqs)
     print(f"formwork: {res['formwork']}", file=sys.stderr, flush=True)

@@ -72,9 +72,9 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from offline_throughput import make_workload
 
-    from formwork.core.tokenizer import load_tokenizer
+    from formwork.gpu.model_files import load_model_tokenizer
 
-    reqs = make_workload(load_tokenizer(args.model), args.num_requests, args.seed)
+    reqs = make_workload(load_model_tokenizer(args.model), args.num_requests, args.seed)
     rows = [run(name, args, reqs) for name in args.configs]
     if args.json:
         for r in rows:

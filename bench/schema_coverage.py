@@ -343,9 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print every result as JSON")
     args = ap.parse_args(argv)
 
-    from formwork.core.tokenizer import load_tokenizer
+    from formwork.gpu.model_files import load_model_tokenizer
 
-    tokenizer = load_tokenizer(None)
+    tokenizer = load_model_tokenizer(None)
     runner = Runner(tokenizer, len(tokenizer), args.backend, args.walks, args.walk_tokens,
                     additional_properties=args.additional_properties)
     results = []

@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--json", type=pathlib.Path, default=None, help="also write the raw results here")
     args = ap.parse_args(argv)
-    from formwork.gpu.loader import resolve_model
+    from formwork.gpu.model_files import resolve_model
     model_dir = str(resolve_model(None))
     systems = args.systems.split(",")
     pythons = {"formwork": sys.executable}

@@ -8,6 +8,7 @@ import msgspec
 
 from formwork.gateway.errors import APIError, bad_request
 from formwork.gateway.tools import ToolMode, tool_constraint
+from formwork.grammar.selection import validate_params
 from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
 from formwork.schemas.sampling import SamplingParams, check_token_ids
 from formwork.schemas.structured import FALSE_SCHEMA, KINDS, StructuredOutputsParams, is_set
@@ -149,10 +150,8 @@ def structured_from_request(
 def validate_constraint(params: StructuredOutputsParams, source: str,
                         default_backend: str = "auto") -> None:
     """Check the constraint before it is queued: a bad schema / regex / grammar is a 400."""
-    from formwork.core.validation import validate_structured  # pulls in grammar backends: lazily
     try:
-        params.validate()
-        validate_structured(params, default_backend)
+        validate_params(params, default_backend)      # params.validate() first
     except ValueError as e:
         raise bad_request(f"{source}: {e}", param=source) from None
 

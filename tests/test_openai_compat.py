@@ -99,10 +99,10 @@ def test_required_tools_with_defs_resolve(parallel):
 
 
 def test_required_tools_with_defs_compile_and_accept_a_call():
-    from formwork.core.tokenizer import load_tokenizer
+    from formwork.gpu.model_files import load_model_tokenizer
     from formwork.grammar.vocab import TokenVocab
     from formwork.grammar.xgrammar_backend import XGrammarBackend
-    tok = load_tokenizer(None)
+    tok = load_model_tokenizer(None)
     vocab = TokenVocab.from_tokenizer(tok, 49152)
     so, _ = constraint(tools=[FORECAST], tool_choice="required", parallel_tool_calls=False)
     m = XGrammarBackend(vocab).compile(so).new_matcher()
@@ -141,10 +141,10 @@ def test_tools_with_response_format_per_tool_choice():
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_auto_with_response_format_is_an_answer_or_calls(parallel):
-    from formwork.core.tokenizer import load_tokenizer
+    from formwork.gpu.model_files import load_model_tokenizer
     from formwork.grammar.vocab import TokenVocab
     from formwork.grammar.xgrammar_backend import XGrammarBackend
-    tok = load_tokenizer(None)
+    tok = load_model_tokenizer(None)
     vocab = TokenVocab.from_tokenizer(tok, 49152)
     so, _ = constraint(tools=[WEATHER, FORECAST], response_format=ANSWER,
                        parallel_tool_calls=parallel)

@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
-    from formwork.gpu.loader import resolve_model
+    from formwork.gpu.model_files import resolve_model
     args.model = str(resolve_model(args.model))
     rng = random.Random(args.seed)
     sizes = sorted({int(b) for b in args.batch_sizes.split(",")})

@@ -27,7 +27,7 @@ for pkg in $PKGS; do
 done
 python - "$DEST/model-meta" <<'PY'
 import shutil, sys, pathlib
-from formwork.gpu.loader import resolve_model
+from formwork.gpu.model_files import resolve_model
 src = resolve_model(None)
 for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
              "special_tokens_map.json", "generation_config.json"):
