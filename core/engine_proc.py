@@ -1,12 +1,13 @@
 """The EngineCore process: a busy loop between two ZMQ sockets.
 
-    gateway --PUSH--> input  (msgpack InputMessage: add | abort | utility | shutdown)
+    gateway --PUSH--> input  (msgpack InputMessage, tagged: add | abort | utility | shutdown)
     gateway <--PULL-- output (msgpack EngineCoreOutputs)
 
 The gateway binds both sockets; this process connects. The first message on
 the output socket is the ready handshake: EngineCoreOutputs with
-`utility_call_id == READY_CALL_ID` and `utility_result` = model info (or
-{"error": text} when the engine could not start).
+`utility_call_id == READY_CALL_ID` and `utility_result` an EngineInfo (or a
+UtilityError when the engine could not start). Utility calls are answered
+with the struct UTILITY_RESULTS names for their method, or a UtilityError.
 
 Loop: block on input while idle; otherwise drain input without blocking, step,
 publish outputs. The process exits on a shutdown message, SIGTERM, or when its
@@ -22,7 +23,6 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any
 
 import msgspec
 import zmq
@@ -30,25 +30,40 @@ import zmq
 from formwork.gpu.child_process import die_with_parent, main_module_not_reimported
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.errors import param_of
-from formwork.schemas.engine import (EngineCoreOutput, EngineCoreOutputs, FinishReason, InputMessage)
+from formwork.schemas.engine import (UTILITY_RESULTS, EngineCoreAbort, EngineCoreOutput,
+                                     EngineCoreOutputs, EngineCoreRequest, EngineCoreUtility,
+                                     EngineInfo, EngineShutdown, FinishReason, InputMessage, Pong,
+                                     UtilityError, UtilityResult)
 
 log = logging.getLogger("formwork.engine")
 
 READY_CALL_ID = 0
 IDLE_POLL_MS = 1000          # how often an idle engine checks that its parent lives
 PARENT_CHECK_S = 1.0
-UTILITY_METHODS = ("ping", "get_stats", "info")
 
 
-def handshake_result(outs: EngineCoreOutputs) -> dict | None:
+def handshake_result(outs: EngineCoreOutputs) -> EngineInfo | None:
     """The engine info when `outs` is the ready handshake; None for any other
     message (a late output of an engine that died: nobody waits for it);
     RuntimeError when the engine says it could not start."""
     if outs.utility_call_id != READY_CALL_ID:
         return None
-    result = outs.utility_result or {}
-    if "error" in result:
-        raise RuntimeError(f"engine failed to start: {result['error']}")
+    result = outs.utility_result
+    if isinstance(result, UtilityError):
+        raise RuntimeError(f"engine failed to start: {result.message}")
+    if not isinstance(result, EngineInfo):
+        raise RuntimeError(f"engine handshake carried {type(result).__name__}, not EngineInfo")
+    return result
+
+
+def utility_value(method: str, result: UtilityResult | None) -> UtilityResult:
+    """The answer to utility call `method`, checked to be the struct UTILITY_RESULTS
+    names; RuntimeError when the engine answered with an error (or anything else)."""
+    if isinstance(result, UtilityError):
+        raise RuntimeError(f"engine utility {method!r} failed: {result.message}")
+    expected = UTILITY_RESULTS.get(method)
+    if expected is None or not isinstance(result, expected):
+        raise RuntimeError(f"engine utility {method!r} answered {type(result).__name__}")
     return result
 
 
@@ -57,17 +72,18 @@ def cuda_graphs_text(sizes) -> str:
     return f"on (decode batch sizes {min(sizes)}-{max(sizes)})" if sizes else "off"
 
 
-def engine_info(core) -> dict[str, Any]:
+def engine_info(core) -> EngineInfo:
+    """What the handshake and `info` carry: the core's start-up facts and this process's."""
     info = core.info
-    return {"max_model_len": core.max_model_len, "vocab_size": core.vocab_size,
-            "num_kv_blocks": info.num_kv_blocks, "block_size": core.config.block_size,
-            "device": info.device, "dtype": info.dtype,
-            "attention_backend": info.attention_backend,
-            "cuda_graph_sizes": list(info.cuda_graph_sizes),
-            "structured_backend": core.config.structured_backend,
-            "load_seconds": round(info.load_seconds, 2), "pid": os.getpid(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
-            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "")}
+    return EngineInfo(max_model_len=core.max_model_len, vocab_size=core.vocab_size,
+                      num_kv_blocks=info.num_kv_blocks, block_size=core.config.block_size,
+                      device=info.device, dtype=info.dtype,
+                      attention_backend=info.attention_backend,
+                      cuda_graph_sizes=tuple(info.cuda_graph_sizes),
+                      structured_backend=core.config.structured_backend,
+                      load_seconds=round(info.load_seconds, 2), pid=os.getpid(),
+                      omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
+                      gomp_spincount=os.environ.get("GOMP_SPINCOUNT", ""))
 
 
 class EngineLoop:
@@ -118,38 +134,41 @@ class EngineLoop:
             self._handle(self.decoder.decode(frame.buffer))
 
     def _handle(self, msg: InputMessage) -> None:
-        if msg.shutdown:
-            self.running = False
-        elif msg.add is not None:
-            try:
-                self.core.add_request(msg.add)
-            except ValueError as e:  # refused: finish it alone, the engine carries on
-                self._send(EngineCoreOutputs(outputs=[EngineCoreOutput(
-                    request_id=msg.add.request_id, new_token_ids=[],
-                    finish_reason=FinishReason.ERROR, error=str(e),
-                    error_param=param_of(e))]))
-        elif msg.abort is not None:
-            # applied at once (between steps), so a later message sees them done
-            self.core.abort_requests(msg.abort.request_ids)
-            outs = self.core.apply_aborts()
-            if outs.outputs:
-                self._send(outs)
-        elif msg.utility is not None:
-            self._send(EngineCoreOutputs(utility_call_id=msg.utility.call_id,
-                                         utility_result=self._utility(msg.utility.method)))
+        match msg:
+            case EngineShutdown():
+                self.running = False
+            case EngineCoreRequest():
+                try:
+                    self.core.add_request(msg)
+                except ValueError as e:  # refused: finish it alone, the engine carries on
+                    self._send(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                        request_id=msg.request_id, new_token_ids=[],
+                        finish_reason=FinishReason.ERROR, error=str(e),
+                        error_param=param_of(e))]))
+            case EngineCoreAbort():
+                # applied at once (between steps), so a later message sees them done
+                self.core.abort_requests(msg.request_ids)
+                outs = self.core.apply_aborts()
+                if outs.outputs:
+                    self._send(outs)
+            case EngineCoreUtility():
+                self._send(EngineCoreOutputs(utility_call_id=msg.call_id,
+                                             utility_result=self._utility(msg.method)))
 
-    def _utility(self, method: str) -> dict:
+    def _utility(self, method: str) -> UtilityResult:
+        """The struct UTILITY_RESULTS names for `method`, or a UtilityError."""
         try:
             if method == "ping":
-                return {"ok": True}
+                return Pong()
             if method == "get_stats":
-                return msgspec.structs.asdict(self.core.get_stats())
+                return self.core.get_stats()
             if method == "info":
                 return engine_info(self.core)
-            return {"error": f"unknown utility method {method!r}; known: {UTILITY_METHODS}"}
+            return UtilityError(message=f"unknown utility method {method!r}; "
+                                        f"known: {tuple(UTILITY_RESULTS)}")
         except Exception as e:  # a failing read-only call must not kill the engine
             log.exception("utility %s failed", method)
-            return {"error": f"{type(e).__name__}: {e}"}
+            return UtilityError(message=f"{type(e).__name__}: {e}")
 
     def _send(self, outs: EngineCoreOutputs) -> None:
         self.out_sock.send(self.encoder.encode(outs), copy=False)
@@ -219,7 +238,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         log.exception("engine failed")
         if core is None:
             out_sock.send(encoder.encode(EngineCoreOutputs(
-                utility_call_id=READY_CALL_ID, utility_result={"error": f"{type(e).__name__}: {e}"})))
+                utility_call_id=READY_CALL_ID,
+                utility_result=UtilityError(message=f"{type(e).__name__}: {e}"))))
         raise
     finally:
         if core is not None:

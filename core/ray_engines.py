@@ -46,7 +46,7 @@ def connect(address: str | None = None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
     # ray.init installs a SIGTERM handler that exits at once; the server's own
-    # (a graceful drain, gateway/api_server.py) is put back
+    # (a graceful drain, gateway/shutdown.py) is put back
     main = threading.current_thread() is threading.main_thread()
     saved = signal.getsignal(signal.SIGTERM) if main else None
     try:

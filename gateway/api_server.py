@@ -8,9 +8,8 @@ POST /tokenize, POST /detokenize (vLLM's), GET /health, GET /metrics,
 GET /version. With an API key set, /v1/*, /tokenize and /detokenize need
 `Authorization: Bearer <key>`.
 
-SIGTERM drains (gateway/admission.py): new requests get 503 while those in
-flight finish, for up to the drain timeout; the rest then end with a 503 error
-(JSON, or an SSE error event and [DONE]); the engine stops, the server exits 0.
+SIGTERM drains, then the server exits 0 (gateway/shutdown.py); an engine
+that cannot be restarted ends it with FATAL_EXIT_CODE.
 """
 from __future__ import annotations
 
@@ -18,11 +17,9 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
-import signal
 import time
 from importlib import metadata
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import Body, FastAPI, Request
@@ -35,8 +32,7 @@ from formwork.gateway.admission import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_WAI
 from formwork.gateway.dp_client import DPEngineClient
 from formwork.gateway.dp_router import sum_stats
 from formwork.gateway.engine_factory import make_engine_client
-from formwork.gateway.errors import (APIError, EngineDeadError, ServerShuttingDownError,
-                                     install_error_handlers)
+from formwork.gateway.errors import APIError, EngineDeadError, install_error_handlers
 from formwork.gateway.limits import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware, longest_token_chars
 from formwork.gateway.metrics import CONTENT_TYPE, Metrics
 from formwork.gateway.responses_store import ResponseStore
@@ -45,16 +41,15 @@ from formwork.gateway.serving_chat import create_chat_completion
 from formwork.gateway.serving_completion import create_completion
 from formwork.gateway.serving_responses import create_response
 from formwork.gateway.serving_tokenize import detokenize, tokenize
+from formwork.gateway.shutdown import DrainingServer, drain, exit_for_supervisor
 from formwork.gateway.tokenizer_pool import TokenizerPool
+from formwork.gpu.model_files import DEFAULT_MODEL, load_model_tokenizer
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                             ModelList)
 from formwork.schemas.responses import ResponsesRequest
 
 log = logging.getLogger("formwork.gateway")
-FATAL_EXIT_CODE = 3
-ENDED_FLUSH_S = 5.0      # after the drain timeout: for the ended requests' error responses
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 KEYED_PATHS = ("/tokenize", "/detokenize")      # outside /v1, still behind the API key
 
 
@@ -124,7 +119,7 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request):
         state = _state(request)
-        cards = [ModelCard(id=name, root=state.engine.config.model or DEFAULT_MODEL_NAME,
+        cards = [ModelCard(id=name, root=state.engine.config.model or DEFAULT_MODEL,
                            max_model_len=state.max_model_len)
                  for name in state.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
@@ -134,7 +129,7 @@ def _add_routes(app: FastAPI) -> None:
         """One model object (OpenAI's retrieve); 404 model_not_found for others."""
         state = _state(request)
         state.check_model(model_id)
-        card = ModelCard(id=model_id, root=state.engine.config.model or DEFAULT_MODEL_NAME,
+        card = ModelCard(id=model_id, root=state.engine.config.model or DEFAULT_MODEL,
                          max_model_len=state.max_model_len)
         return JSONResponse(card.model_dump(mode="json"))
 
@@ -183,81 +178,21 @@ def _add_routes(app: FastAPI) -> None:
         return {"version": version()}
 
 
-def _exit_for_supervisor() -> None:
-    """The engine could not be restarted: exit non-zero at once (an outside
-    supervisor -- systemd, Kubernetes -- starts the server again)."""
-    log.critical("the engine cannot be restarted; the server exits (code %d)", FATAL_EXIT_CODE)
-    logging.shutdown()
-    os._exit(FATAL_EXIT_CODE)
-
-
-async def drain(app: FastAPI, timeout_s: float) -> None:
-    """Graceful shutdown: new requests get 503; those in flight have `timeout_s` to
-    finish, then the rest end with ServerShuttingDownError."""
-    admission: Admission = app.state.admission
-    state: ServerState | None = getattr(app.state, "server", None)
-    log.info("SIGTERM: draining %d requests in flight (new ones get 503) for up to %.0f s",
-             admission.in_flight, timeout_s)
-    if state is not None:
-        state.engine.stop_restarts()
-    if await admission.drain(timeout_s):
-        return
-    log.warning("drain timeout: ending the %d requests still in flight", admission.in_flight)
-    if state is not None:
-        state.engine.end_requests(lambda: ServerShuttingDownError(
-            f"The server is shutting down: the request was still running after the "
-            f"{timeout_s:g} s drain timeout."))
-    await admission.drain(ENDED_FLUSH_S)
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server whose first SIGTERM runs `on_sigterm()` (the drain) while it
-    still listens, then exits as after any SIGTERM but with status 0. A second
-    SIGTERM or a SIGINT is uvicorn's usual exit."""
-
-    def __init__(self, config: uvicorn.Config, on_sigterm: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(config)
-        self._on_sigterm = on_sigterm
-        self._drain: asyncio.Task | None = None
-
-    def handle_exit(self, sig: int, frame) -> None:
-        """A signal handler: runs on the main thread, which runs the event loop."""
-        if sig != signal.SIGTERM or self._drain is not None or self.should_exit:
-            return super().handle_exit(sig, frame)
-        if not self.started:
-            self.should_exit = True              # still starting: nothing to drain
-            return
-        asyncio.get_running_loop().call_soon_threadsafe(self._start_drain)
-
-    def _start_drain(self) -> None:
-        if self._drain is None:
-            self._drain = asyncio.create_task(self._drain_then_exit(), name="drain")
-
-    async def _drain_then_exit(self) -> None:
-        try:
-            await self._on_sigterm()
-        except Exception:  # noqa: BLE001 - the exit goes on; the requests left are cut
-            log.exception("the drain failed")
-        finally:
-            self.should_exit = True
-
-
 def build_app(config: EngineConfig, *, served_model_names: list[str] | None = None,
               api_key: str | None = None,
               max_request_body_mb: float = DEFAULT_MAX_BODY_MB,
               admission: Admission | None = None) -> FastAPI:
     """`admission`: the bound on generation requests in flight (default: none)."""
-    names = tuple(served_model_names or [config.model or DEFAULT_MODEL_NAME])
+    names = tuple(served_model_names or [config.model or DEFAULT_MODEL])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        from formwork.core.tokenizer import load_tokenizer
         t0 = time.monotonic()
-        engine, release_engines = make_engine_client(config, on_fatal=_exit_for_supervisor)
+        engine, release_engines = make_engine_client(config, on_fatal=exit_for_supervisor)
         # the engine process loads the model while this one loads the tokenizer
         starting = asyncio.create_task(engine.start())
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+            tokenizer = await asyncio.to_thread(load_model_tokenizer, config.model)
             max_token_chars = await asyncio.to_thread(longest_token_chars, tokenizer)
             tokenizers = await asyncio.to_thread(TokenizerPool, tokenizer)
             engine.set_tokenizer(tokenizer)
@@ -270,17 +205,16 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
         log.info("engine ready in %.1f s", time.monotonic() - t0)
         log.info("formwork %s serving %s as %s | %s on %s | KV cache %d blocks x %d tokens | "
                  "max_model_len %d | attention %s | CUDA graphs %s | structured outputs %s | "
-                 "engine pid %d", version(), config.model or DEFAULT_MODEL_NAME, ", ".join(names),
-                 info["dtype"], info["device"], info["num_kv_blocks"], info["block_size"],
-                 info["max_model_len"], info["attention_backend"],
-                 cuda_graphs_text(info.get("cuda_graph_sizes")), info["structured_backend"],
-                 info["pid"])
-        if config.data_parallel_size > 1:
+                 "engine pid %d", version(), config.model or DEFAULT_MODEL, ", ".join(names),
+                 info.dtype, info.device, info.num_kv_blocks, info.block_size,
+                 info.max_model_len, info.attention_backend,
+                 cuda_graphs_text(info.cuda_graph_sizes), info.structured_backend, info.pid)
+        if isinstance(engine, DPEngineClient):
             log.info("data parallel: %d engines (pids %s), each with its own KV cache of %d "
-                     "blocks", config.data_parallel_size, info["pids"], info["num_kv_blocks"])
+                     "blocks", config.data_parallel_size, engine.pids, info.num_kv_blocks)
         app.state.server = ServerState(engine=engine, tokenizer=tokenizer,
                                        served_model_names=names,
-                                       max_model_len=info["max_model_len"],
+                                       max_model_len=info.max_model_len,
                                        metrics=Metrics(names[0]), api_key=api_key,
                                        max_token_chars=max_token_chars, tokenizers=tokenizers)
         try:

@@ -27,7 +27,7 @@ from formwork.gateway.metrics import EngineSample
 from formwork.gateway.output_processor import RequestOutput
 from formwork.gateway.replay import replaying
 from formwork.schemas.config import EngineConfig
-from formwork.schemas.engine import EngineStats
+from formwork.schemas.engine import EngineInfo, EngineStats, UtilityResult
 from formwork.schemas.sampling import SamplingParams
 
 log = logging.getLogger("formwork.gateway")
@@ -62,7 +62,7 @@ class DPEngineClient:
             e.set_tokenizer(tokenizer)
 
     # -- lifecycle ------------------------------------------------------------
-    async def start(self) -> dict:
+    async def start(self) -> EngineInfo:
         """Start every engine at once; the first one's model info (all load the same
         model). Any engine failing to start fails the start."""
         results = await asyncio.gather(*(e.start() for e in self.engines), return_exceptions=True)
@@ -129,11 +129,13 @@ class DPEngineClient:
                 for i, (e, load) in enumerate(zip(self.engines, self.router.engines))]
 
     @property
-    def info(self) -> dict:
-        ready = [e for e in self.engines if e.info]
-        info = dict(ready[0].info) if ready else {}
-        info["pids"] = [e.pid for e in self.engines]
-        return info
+    def info(self) -> EngineInfo | None:
+        """The first started engine's (all load the same model); None before any has."""
+        return next((e.info for e in self.engines if e.info is not None), None)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [e.pid for e in self.engines]
 
     @property
     def restarts(self) -> int:
@@ -193,7 +195,7 @@ class DPEngineClient:
             await self.engines[index].abort(request_id)
 
     # -- utility calls -------------------------------------------------------------
-    async def call_utility(self, method: str, timeout_s: float = 5.0) -> dict:
+    async def call_utility(self, method: str, timeout_s: float = 5.0) -> UtilityResult:
         """On the first ready engine."""
         for e, ok in zip(self.engines, self._ready()):
             if ok:

@@ -19,6 +19,7 @@ import zmq
 from formwork.gateway.dp_router import Router, sum_stats
 from formwork.gateway.engine_launch import Launcher, dp_engine_config, rank_launcher
 from formwork.gateway.engine_process import POLL_MS, EngineProcess
+from formwork.gpu.model_files import load_model_tokenizer
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import EngineCoreOutputs, EngineCoreRequest, EngineStats
 
@@ -31,8 +32,6 @@ class EngineProcessGroup:
     def __init__(self, config: EngineConfig, *, ready_timeout_s: float = 900.0,
                  launcher: Launcher | None = None, bind_host: str | None = None) -> None:
         """Starts every engine, then loads the tokenizer once while they load the model."""
-        from formwork.core.tokenizer import load_tokenizer
-
         size = config.data_parallel_size
         self.config = config
         self.engines: list[EngineProcess] = []
@@ -42,7 +41,7 @@ class EngineProcessGroup:
                     dp_engine_config(config, i), ready_timeout_s=ready_timeout_s,
                     launcher=rank_launcher(i, size, launcher), bind_host=bind_host,
                     wait=False))
-            self.tokenizer = load_tokenizer(config.model)
+            self.tokenizer = load_model_tokenizer(config.model)
             for e in self.engines:
                 e.tokenizer = self.tokenizer
                 e.wait_ready()

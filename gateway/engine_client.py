@@ -1,38 +1,31 @@
-"""Async client of the EngineCore process (zmq.asyncio + msgspec msgpack).
+"""Async client of the EngineCore process: supervises it and routes its outputs.
 
-Owns: the engine process, both sockets, one asyncio.Queue per in-flight
-request, the OutputProcessor (detokenization, stop strings, n > 1 fan-in).
-A background task reads engine outputs and routes them to the queues; a
-watcher on the process sentinel marks the engine dead and fails every waiting
-request with EngineDeadError (503).
-
-How the engine starts is pluggable (gateway/engine_launch.py): `launcher`
-(default: a local spawned process) and `bind_host` (None: ipc:// sockets in a
-private folder; a host: tcp://host:<random port>, handed to the launcher).
+Owns: the engine process (its restarts), its EngineChannel
+(gateway/engine_channel.py: both sockets, typed messages, utility calls), one
+asyncio.Queue per in-flight request, the OutputProcessor (detokenization, stop
+strings, n > 1 fan-in). A background task reads engine outputs and routes them
+to the queues; a watcher on the process sentinel marks the engine dead and
+fails every waiting request with EngineDeadError (503). How the engine starts
+is pluggable (gateway/engine_launch.py): `launcher` (default: a local spawned
+process) and `bind_host` (None: ipc:// sockets; a host: tcp://host:<port>).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import shutil
 import time
 from typing import AsyncIterator, Callable
 
-import msgspec
-import zmq
-import zmq.asyncio
-
-from formwork.core.engine_proc import READY_CALL_ID, handshake_result, start_engine_process
-from formwork.core.ipc import make_ipc_dir
-from formwork.gateway.engine_launch import Launcher, bind_pair
+from formwork.core.engine_proc import start_engine_process
+from formwork.gateway.engine_channel import EngineChannel
+from formwork.gateway.engine_launch import Launcher, end_process
 from formwork.gateway.errors import APIError, EngineDeadError
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.gateway.replay import replaying
 from formwork.schemas.config import EngineConfig
-from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreUtility, EngineStats,
-                            InputMessage)
+from formwork.schemas.engine import (EngineCoreAbort, EngineInfo, EngineShutdown, EngineStats,
+                                     InputMessage, UtilityResult)
 from formwork.schemas.sampling import SamplingParams
 
 log = logging.getLogger("formwork.gateway")
@@ -64,13 +57,12 @@ class EngineClient:
         self.config = config
         self.name = name
         self.launcher: Launcher = launcher or start_engine_process
-        self.bind_host = bind_host
         self.ready_timeout_s = ready_timeout_s
         self.tokenizer = None
         self.processor: OutputProcessor | None = None
         if tokenizer is not None:
             self.set_tokenizer(tokenizer)
-        self.info: dict = {}
+        self.info: EngineInfo | None = None
         self.state = "starting"
         self.restarts = 0                      # engines started after the first
         self.max_restarts = max_restarts
@@ -78,19 +70,11 @@ class EngineClient:
         self.on_fatal = on_fatal
         self._failed_restarts = 0
         self._restart_task: asyncio.Task | None = None
-        self._in_addr = self._out_addr = ""
         self.dead = False
         self._closing = False
         self._ending: Callable[[], APIError] | None = None     # end_requests()
         self._queues: dict[str, asyncio.Queue] = {}
-        self._utility: dict[int, asyncio.Future] = {}
-        self._call_ids = itertools.count(READY_CALL_ID + 1)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        self._tmpdir = make_ipc_dir() if bind_host is None else None
-        self._ctx = zmq.asyncio.Context()
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._out = self._ctx.socket(zmq.PULL)
+        self._channel = EngineChannel(bind_host)
         self._proc = None                      # the launcher's process-like handle
         self._reader: asyncio.Task | None = None
 
@@ -99,17 +83,16 @@ class EngineClient:
         self.processor = OutputProcessor(tokenizer)
 
     # -- lifecycle ------------------------------------------------------------
-    async def start(self) -> dict:
+    async def start(self) -> EngineInfo:
         """Spawn the engine, wait for its ready handshake, return its model info."""
-        self._in_addr, self._out_addr = bind_pair(self._in, self._out, self._tmpdir,
-                                                  self.bind_host)
+        self._channel.bind()
         await self._launch()
         return self.info
 
     async def _launch(self) -> None:
         """Start an engine process and wait for its handshake; then serve."""
-        self._proc = self.launcher(self.config, self._in_addr, self._out_addr)
-        self.info = await self._wait_ready()
+        self._proc = self.launcher(self.config, self._channel.in_addr, self._channel.out_addr)
+        self.info = await self._channel.wait_ready(self._proc, self.ready_timeout_s)
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_engine_exit)
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
@@ -151,18 +134,6 @@ class EngineClient:
             log.info("%s restarted (pid %s)", self.name, self._proc.pid)
             return
 
-    async def _wait_ready(self) -> dict:
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if await self._out.poll(500):
-                info = handshake_result(self._decoder.decode(await self._out.recv()))
-                if info is not None:
-                    return info
-            if not self._proc.is_alive():
-                raise RuntimeError(f"engine process exited during start-up "
-                                   f"(exit code {self._proc.exitcode})")
-        raise RuntimeError(f"engine not ready after {self.ready_timeout_s:.0f} s")
-
     def _on_engine_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._proc.sentinel)
         if not self.dead and not self._closing:
@@ -177,10 +148,7 @@ class EngineClient:
         self.dead = True
         for q in self._queues.values():
             q.put_nowait(EngineDeadError())
-        for fut in self._utility.values():
-            if not fut.done():
-                fut.set_exception(EngineDeadError())
-        self._utility.clear()
+        self._channel.fail_calls(EngineDeadError)
 
     def stop_restarts(self) -> None:
         """The server is draining: an engine that dies from now on stays dead (its
@@ -202,55 +170,35 @@ class EngineClient:
         proc = self._proc
         if proc is not None and proc.is_alive():
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._send(InputMessage(shutdown=True)), 2.0)
-            await asyncio.to_thread(proc.join, timeout_s)
-            if proc.is_alive():
-                proc.terminate()
-                await asyncio.to_thread(proc.join, 5.0)
-            if proc.is_alive():
-                proc.kill()
-                await asyncio.to_thread(proc.join, 5.0)
+                await asyncio.wait_for(self._send(EngineShutdown()), 2.0)
+            await asyncio.to_thread(end_process, proc, timeout_s)
         self.dead = True
         if self._reader is not None:
             self._reader.cancel()
-        self._ctx.destroy(linger=0)      # closes both sockets; never waits on a peer
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._channel.close()
 
     # -- I/O -------------------------------------------------------------------
+    def _gone(self) -> bool:
+        return self.dead or (self._proc is not None and not self._proc.is_alive())
+
     async def _send(self, msg: InputMessage) -> None:
-        """Never blocks for good: a PUSH socket without a live peer would wait forever
-        (e.g. the engine got the same SIGTERM as this process), so poll without
-        blocking and give up with EngineDeadError once the engine is gone."""
-        data = self._encoder.encode(msg)
-        while True:
-            try:
-                await self._in.send(data, flags=zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                if self.dead or (self._proc is not None and not self._proc.is_alive()):
-                    raise EngineDeadError() from None
-                await asyncio.sleep(0.005)
+        """EngineDeadError once the engine is gone (never blocks for good)."""
+        await self._channel.send(msg, self._gone)
 
     async def _read_outputs(self) -> None:
         try:
             while True:
-                outs = self._decoder.decode(await self._out.recv())
-                if outs.utility_call_id is not None:
-                    fut = self._utility.pop(outs.utility_call_id, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(outs.utility_result or {})
+                outs = await self._channel.recv()
+                if self._channel.answer(outs):
                     continue
                 results, to_abort = self.processor.process_outputs(outs.outputs)
                 if to_abort:
-                    await self._send(InputMessage(abort=EngineCoreAbort(request_ids=to_abort)))
+                    await self._send(EngineCoreAbort(request_ids=to_abort))
                 for ro in results:
                     q = self._queues.get(ro.request_id)
                     if q is not None:
                         q.put_nowait(ro)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
+        except Exception:    # not CancelledError (a BaseException): shutdown, restart
             log.exception("engine output reader failed")
             self._fail_all()
 
@@ -300,7 +248,7 @@ class EngineClient:
         finished = False
         try:
             for er in engine_reqs:
-                await self._send(InputMessage(add=er))
+                await self._send(er)
             while not finished:
                 item = await q.get()
                 if isinstance(item, EngineDeadError):
@@ -322,22 +270,14 @@ class EngineClient:
     async def abort(self, request_id: str) -> None:
         ids = self.processor.abort_request(request_id)
         if ids and not self.dead:
-            await self._send(InputMessage(abort=EngineCoreAbort(request_ids=ids)))
+            await self._send(EngineCoreAbort(request_ids=ids))
 
-    async def call_utility(self, method: str, timeout_s: float = 5.0) -> dict:
+    async def call_utility(self, method: str, timeout_s: float = 5.0) -> UtilityResult:
+        """The engine's answer to read-only `method`: the struct UTILITY_RESULTS names
+        (schemas/engine.py); RuntimeError when the call failed."""
         if self.dead:
             raise EngineDeadError()
-        call_id = next(self._call_ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._utility[call_id] = fut
-        try:
-            await self._send(InputMessage(utility=EngineCoreUtility(call_id=call_id, method=method)))
-            result = await asyncio.wait_for(fut, timeout_s)
-        finally:
-            self._utility.pop(call_id, None)
-        if "error" in result:
-            raise RuntimeError(f"engine utility {method!r} failed: {result['error']}")
-        return result
+        return await self._channel.call(method, timeout_s, self._gone)
 
     async def is_healthy(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -347,7 +287,7 @@ class EngineClient:
             return False
 
     async def get_stats(self, timeout_s: float = 5.0) -> EngineStats:
-        return msgspec.convert(await self.call_utility("get_stats", timeout_s), EngineStats)
+        return await self.call_utility("get_stats", timeout_s)
 
     @property
     def pid(self) -> int | None:

@@ -1,5 +1,6 @@
 """How the gateway's engine clients reach their EngineCore processes: the
-socket endpoints they bind, and the launchers that start an engine.
+socket endpoints they bind, the launchers that start an engine, and how a
+lingering one is ended.
 
 A launcher is `launcher(config, input_addr, output_addr)` -> a process-like
 handle: is_alive(), sentinel (a readable fd, closed when it ends), pid,
@@ -81,3 +82,15 @@ def rank_launcher(rank: int, size: int, base: Launcher | None = None) -> Launche
         finally:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
     return launch
+
+
+def end_process(proc, timeout_s: float) -> None:
+    """Wait `timeout_s` for an engine asked to stop (blocking), then terminate it,
+    then kill it; `proc` is a launcher's process-like handle."""
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5.0)

@@ -17,18 +17,19 @@ from __future__ import annotations
 import itertools
 import shutil
 import time
-from types import SimpleNamespace
 
 import msgspec
 import zmq
 
-from formwork.core.engine_proc import READY_CALL_ID, handshake_result
+from formwork.core.engine_proc import READY_CALL_ID, handshake_result, utility_value
 from formwork.core.ipc import make_ipc_dir
 from formwork.core.prompt_check import check_prompt
-from formwork.gateway.engine_launch import Launcher, bind_pair, start_engine_process
+from formwork.gateway.engine_launch import Launcher, bind_pair, end_process, start_engine_process
+from formwork.gpu.model_files import load_model_tokenizer
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
-                                     EngineCoreUtility, EngineStats, InputMessage)
+                                     EngineCoreUtility, EngineInfo, EngineShutdown, EngineStats,
+                                     InputMessage)
 
 POLL_MS = 200
 
@@ -68,20 +69,18 @@ class EngineProcess:
     def wait_ready(self) -> None:
         """Load the tokenizer unless given (while the engine loads the model), then
         wait for the engine's handshake; shut down and re-raise on failure."""
-        from formwork.core.tokenizer import load_tokenizer
-
         try:
             if self.tokenizer is None:
-                self.tokenizer = load_tokenizer(self.config.model)
+                self.tokenizer = load_model_tokenizer(self.config.model)
             info = self._wait_ready(self.ready_timeout_s)
         except BaseException:
             self.shutdown()
             raise
-        self.info = SimpleNamespace(**info)
-        self.max_model_len: int = info["max_model_len"]
-        self.vocab_size: int = info["vocab_size"]
+        self.info: EngineInfo = info
+        self.max_model_len: int = info.max_model_len
+        self.vocab_size: int = info.vocab_size
 
-    def _wait_ready(self, timeout_s: float) -> dict:
+    def _wait_ready(self, timeout_s: float) -> EngineInfo:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._out.poll(POLL_MS):
@@ -99,16 +98,10 @@ class EngineProcess:
         self._closed = True
         if self._proc.is_alive():
             try:
-                self._in.send(self._encoder.encode(InputMessage(shutdown=True)), zmq.NOBLOCK)
+                self._in.send(self._encoder.encode(EngineShutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            self._proc.join(timeout_s)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(5.0)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5.0)
+            end_process(self._proc, timeout_s)
         self._ctx.destroy(linger=0)
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
@@ -158,13 +151,13 @@ class EngineProcess:
         check_prompt(ids, self.max_model_len, self.vocab_size)
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        self._send(InputMessage(add=req))
+        self._send(req)
         self._pending.add(req.request_id)
 
     def abort_requests(self, request_ids) -> None:
         ids = [r for r in request_ids if r in self._pending]
         if ids:
-            self._send(InputMessage(abort=EngineCoreAbort(request_ids=ids)))
+            self._send(EngineCoreAbort(request_ids=ids))
             self._pending.difference_update(ids)
 
     def has_unfinished_requests(self) -> bool:
@@ -184,13 +177,10 @@ class EngineProcess:
 
     def get_stats(self) -> EngineStats:
         call_id = next(self._call_ids)
-        self._send(InputMessage(utility=EngineCoreUtility(call_id=call_id, method="get_stats")))
+        self._send(EngineCoreUtility(call_id=call_id, method="get_stats"))
         while True:
             outs = self._recv()
             if outs.utility_call_id == call_id:
-                result = outs.utility_result or {}
-                if "error" in result:
-                    raise RuntimeError(f"engine get_stats failed: {result['error']}")
-                return msgspec.convert(result, EngineStats)
+                return utility_value("get_stats", outs.utility_result)
             if outs.utility_call_id is None:
                 self._buffered.append(outs)

@@ -1,6 +1,14 @@
 """Messages between the gateway and the EngineCore (msgspec, msgpack on the wire).
 
-Small and typed; never tensors.
+Small and typed; never tensors. Two sockets:
+
+    input  (gateway -> engine): InputMessage, a tagged union (field "type"):
+           "add" EngineCoreRequest | "abort" EngineCoreAbort
+           | "utility" EngineCoreUtility | "shutdown" EngineShutdown
+    output (engine -> gateway): EngineCoreOutputs; a utility answer carries one
+           UtilityResult, a tagged union of the per-method result structs
+           (UTILITY_RESULTS) or UtilityError. The ready handshake is the answer
+           to call id 0: EngineInfo, or UtilityError when the engine could not start.
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"      # this request failed alone (e.g. grammar compile error)
 
 
-class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -27,14 +35,22 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     arrival_time: float = 0.0
 
 
-class EngineCoreAbort(msgspec.Struct, kw_only=True):
+class EngineCoreAbort(msgspec.Struct, kw_only=True, tag="abort"):
     request_ids: list[str]
 
 
-class EngineCoreUtility(msgspec.Struct, kw_only=True):
-    """A call of a read-only engine method by name, answered in EngineCoreOutputs.utility."""
+class EngineCoreUtility(msgspec.Struct, kw_only=True, tag="utility"):
+    """A call of a read-only engine method by name (a key of UTILITY_RESULTS),
+    answered in EngineCoreOutputs.utility_result under the same call_id."""
     call_id: int
     method: str
+
+
+class EngineShutdown(msgspec.Struct, tag="shutdown"):
+    """The engine process finishes its loop and exits."""
+
+
+InputMessage = EngineCoreRequest | EngineCoreAbort | EngineCoreUtility | EngineShutdown
 
 
 class Logprob(msgspec.Struct, array_like=True):
@@ -73,14 +89,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
         return self.finish_reason is not None
 
 
-class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, kw_only=True):
-    outputs: list[EngineCoreOutput] = []
-    timestamp: float = msgspec.field(default_factory=time.monotonic)
-    utility_call_id: int | None = None
-    utility_result: dict | None = None
-
-
-class EngineStats(msgspec.Struct, kw_only=True):
+class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):
+    """What `get_stats` answers: the scheduler's queues, the KV pool, the prefix
+    cache, grammar work and the CPU thread team, as counts since start-up."""
     num_running: int
     num_waiting: int
     num_waiting_for_grammar: int
@@ -99,9 +110,40 @@ class EngineStats(msgspec.Struct, kw_only=True):
     thread_resizes: int = 0         # times the team was resized to the free cores
 
 
-# Tagged union for the input socket: one decoder, three kinds of message.
-class InputMessage(msgspec.Struct, kw_only=True):
-    add: EngineCoreRequest | None = None
-    abort: EngineCoreAbort | None = None
-    utility: EngineCoreUtility | None = None
-    shutdown: bool = False
+class EngineInfo(msgspec.Struct, kw_only=True, frozen=True, tag="info"):
+    """What the engine learned at start-up (the ready handshake, and `info`)."""
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+    attention_backend: str
+    cuda_graph_sizes: tuple[int, ...] = ()      # decode batch sizes replayed as graphs
+    structured_backend: str
+    load_seconds: float
+    pid: int
+    omp_wait_policy: str = ""
+    gomp_spincount: str = ""
+
+
+class Pong(msgspec.Struct, tag="pong"):
+    """What `ping` answers: the engine loop is alive."""
+
+
+class UtilityError(msgspec.Struct, kw_only=True, tag="error"):
+    """A utility call that failed (unknown method, the method raised), or an
+    engine that could not start (the handshake)."""
+    message: str
+
+
+UtilityResult = EngineInfo | EngineStats | Pong | UtilityError
+# the read-only engine methods a utility call may name, and what each answers
+UTILITY_RESULTS: dict[str, type] = {"ping": Pong, "get_stats": EngineStats, "info": EngineInfo}
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, kw_only=True):
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = msgspec.field(default_factory=time.monotonic)
+    utility_call_id: int | None = None
+    utility_result: UtilityResult | None = None

@@ -268,8 +268,9 @@ def test_engine_client_over_tcp_with_the_default_launcher(tokenizer):
                               tokenizer, bind_host="127.0.0.1")
         try:
             info = await client.start()
-            assert client._in_addr.startswith("tcp://127.0.0.1:")
-            assert client._out_addr.startswith("tcp://127.0.0.1:") and info["pid"] == client.pid
+            assert client._channel.in_addr.startswith("tcp://127.0.0.1:")
+            assert client._channel.out_addr.startswith("tcp://127.0.0.1:")
+            assert info.pid == client.pid
             ids = tokenizer("The capital of France is", add_special_tokens=False).input_ids
             outs = await _drain(client.generate("t", None, ids, SamplingParams(
                 max_tokens=4, temperature=0, ignore_eos=True)))

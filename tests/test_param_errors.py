@@ -11,8 +11,7 @@ from formwork.core.engine_proc import EngineLoop
 from formwork.core.prompt_check import check_prompt
 from formwork.gateway.engine_client import EngineRequestError
 from formwork.gateway.errors import from_value_error
-from formwork.schemas.engine import (EngineCoreOutputs, EngineCoreRequest, FinishReason,
-                                     InputMessage)
+from formwork.schemas.engine import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from formwork.schemas.errors import ParamError, param_of
 from formwork.schemas.sampling import SamplingParams
 
@@ -59,8 +58,8 @@ def test_an_engine_refusal_carries_its_field_across_the_boundary(exc, param):
     push.connect("inproc://out")
     try:
         loop = EngineLoop(_Refusing(exc), ctx.socket(zmq.PULL), push, parent_pid=None)
-        loop._handle(InputMessage(add=EngineCoreRequest(
-            request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams())))
+        loop._handle(EngineCoreRequest(
+            request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams()))
         outs = msgspec.msgpack.decode(pull.recv(), type=EngineCoreOutputs)
     finally:
         ctx.destroy(linger=0)

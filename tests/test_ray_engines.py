@@ -25,8 +25,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from formwork.core import ray_engines  # noqa: E402
 from formwork.core.engine_proc import handshake_result  # noqa: E402
 from formwork.schemas.config import EngineConfig  # noqa: E402
-from formwork.schemas.engine import (EngineCoreOutputs, EngineCoreRequest,  # noqa: E402
-                                     InputMessage)
+from formwork.schemas.engine import EngineCoreOutputs, EngineCoreRequest  # noqa: E402
 from formwork.schemas.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -97,12 +96,12 @@ def test_engines_spread_over_nodes_serve_and_come_back_after_a_kill(two_node_clu
         assert len({h.node_id for _, _, h, _, _ in engines}) == 2, "engines share a node"
         for push, pull, handle, _, _ in engines:
             info = handshake_result(_recv(pull, dec, 120))
-            assert info is not None and info["pid"] == handle.pid
+            assert info is not None and info.pid == handle.pid
 
         def greedy(push, pull, rid) -> list[int]:
-            push.send(enc.encode(InputMessage(add=EngineCoreRequest(
+            push.send(enc.encode(EngineCoreRequest(
                 request_id=rid, prompt_token_ids=[1, 504, 3458, 314, 260],
-                sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))))
+                sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))))
             tokens: list[int] = []
             while True:
                 for o in _recv(pull, dec, 60).outputs:

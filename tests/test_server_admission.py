@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from formwork.gateway.admission import Admission, AdmissionMiddleware, max_generating
-from formwork.gateway.api_server import DrainingServer
+from formwork.gateway.shutdown import DrainingServer
 from formwork.gateway.cli import main
 from formwork.gateway.errors import install_error_handlers
 

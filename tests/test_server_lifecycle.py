@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from formwork.core.ipc import IPC_PREFIX
-from formwork.gateway.api_server import FATAL_EXIT_CODE
+from formwork.gateway.shutdown import FATAL_EXIT_CODE
 from test_server import KEY, Server, gone, metrics
 
 pytestmark = pytest.mark.slow
