@@ -14,12 +14,12 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable
 
 from formwork.core.kv_cache import KVCacheManager
 from formwork.core.prompt_check import check_prompt
 from formwork.core.request import Request, RequestStatus
 from formwork.core.scheduler import Scheduler
+from formwork.core.step_hooks import StepHooks
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.sampling import check_token_ids
 from formwork.schemas.engine import EngineCoreOutputs, EngineCoreRequest, EngineStats
@@ -42,8 +42,8 @@ def _make_grammar_manager(config: EngineConfig, tokenizer, vocab_size: int):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, *, executor=None, tokenizer=None,
-                 structured_manager=None):
-        from formwork.gpu.loader import resolve_model, load_tokenizer
+                 structured_manager=None, hooks: StepHooks | None = None):
+        from formwork.gpu.model_files import load_tokenizer, resolve_model
         self.config = config
         model_dir = resolve_model(config.model) if executor is None or tokenizer is None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
@@ -68,11 +68,9 @@ class EngineCore:
         )
         self._aborts: collections.deque[str] = collections.deque()
         self._abort_lock = threading.Lock()
-        self.tracer: Callable[[str], None] | None = None   # step-order tracing (tests)
-        self.check_invariants_each_step = False
+        self._hooks = hooks if hooks is not None else StepHooks()
         self.steps = 0
         self.bitmask_seconds = 0.0
-        self.last_step_timing: dict[str, float] = {}
         log.info("engine ready: %d KV blocks x %d tokens, max_model_len %d, %s %s, attention %s, "
                  "CUDA graphs %s", info.num_kv_blocks, config.block_size, info.max_model_len,
                  info.device, info.dtype, info.attention_backend,
@@ -81,9 +79,10 @@ class EngineCore:
 
     # -- input -----------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Raises ValueError (naming the parameter) for a request it refuses."""
+        """Raises ParamError for a request that would corrupt the engine's state (a
+        prompt past the context, token ids outside the vocabulary). Trusts the rest:
+        SamplingParams checked itself when built or decoded (docs/architecture.md)."""
         self.check_prompt(req.prompt_token_ids)
-        req.sampling_params.validate()
         check_token_ids(req.sampling_params, self.vocab_size)
         self.scheduler.add_request(Request.from_engine_request(req))
 
@@ -110,8 +109,8 @@ class EngineCore:
         return self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def _trace(self, what: str) -> None:
-        if self.tracer is not None:
-            self.tracer(what)
+        if self._hooks.trace is not None:
+            self._hooks.trace(what)
 
     # -- the step ----------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -141,16 +140,17 @@ class EngineCore:
             self.executor.cancel_inflight()
             outputs += self._isolate_failure(plan, e)
             self.steps += 1
-            if self.check_invariants_each_step:
+            if self._hooks.check_invariants:
                 self.scheduler.check_invariants()
             return EngineCoreOutputs(outputs=outputs)
-        self.last_step_timing = {"fill_start": t0, "fill_end": t1, **self.executor.timings}
+        if self._hooks.on_timing is not None:
+            self._hooks.on_timing({"fill_start": t0, "fill_end": t1, **self.executor.timings})
         self._trace("aborts")
         outputs += self._drain_aborts()
         self._trace("update")
         outputs += self.scheduler.update_from_output(plan, runner_out)
         self.steps += 1
-        if self.check_invariants_each_step:
+        if self._hooks.check_invariants:
             self.scheduler.check_invariants()
         return EngineCoreOutputs(outputs=outputs)
 

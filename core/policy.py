@@ -27,6 +27,28 @@ def fit_chunk(num_remaining: int, token_budget: int, *, room: int, allow_partial
     return max(token_budget, 0) if allow_partial else 0
 
 
+def admission_error(num_prompt_tokens: int, *, blocks_needed: int, num_blocks: int,
+                    chunked: bool, max_num_batched_tokens: int) -> str | None:
+    """Why a prompt can never be scheduled by this engine (None: it can).
+
+    blocks_needed: KV blocks for the prompt plus one generated token. Without
+    chunked prefill the whole prompt must fit one step's token budget.
+    """
+    if blocks_needed > num_blocks:
+        return (f"prompt needs {blocks_needed} KV blocks, the cache has {num_blocks}: "
+                "shorten the prompt or enlarge the KV cache")
+    if not chunked and num_prompt_tokens > max_num_batched_tokens:
+        return (f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
+                f"{max_num_batched_tokens} without chunked prefill")
+    return None
+
+
+def token_budget(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The most tokens a request may generate: max_tokens, and the context's room."""
+    room = max_model_len - num_prompt_tokens
+    return room if max_tokens is None else min(max_tokens, room)
+
+
 def pick_victim(arrival_times: Sequence[float]) -> int:
     """Index of the request to preempt: latest arrival, ties -> the last position."""
     assert arrival_times, "no preemption candidate"

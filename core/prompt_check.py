@@ -1,7 +1,10 @@
-"""The engine's prompt check, shared by the in-process EngineCore and the
-engine-process client (`LLM`): what an engine of this context and vocabulary
-serves. The HTTP gateway still checks token-id prompts on its own
-(serving_completion._prompts, against the tokenizer's length)."""
+"""The prompt check: what an engine of this context and vocabulary serves.
+Run by `LLM.generate` before it admits anything (through the engine or
+EngineProcess's `check_prompt`) and by `EngineCore.add_request`, the engine's
+guard: a prompt past the context or an id outside the vocabulary would corrupt
+the batch. The HTTP entry says the same in OpenAI's terms before queueing
+(serving_completion._prompts, params.context_max_tokens); the guard stays
+behind it. See docs/architecture.md "Where input is checked"."""
 from __future__ import annotations
 
 from formwork.schemas.errors import ParamError

@@ -17,10 +17,12 @@ from collections import deque
 from formwork.core import policy
 from formwork.core.interfaces import StructuredOutputManagerProtocol
 from formwork.core.kv_cache import KVCacheManager
-from formwork.core.plan import PlanBuilder
+from formwork.core.output_buffer import OutputBuffer
+from formwork.core.plan import PlanBuilder, resend_plan
+from formwork.core.prompt_logprobs import scores_prompt
 from formwork.core.request import Request, RequestStatus
-from formwork.core.prompt_logprobs import PromptLogprobsCollector, scores_prompt
-from formwork.schemas.engine import EngineCoreOutput, Logprob, TokenLogprobs
+from formwork.core.token_commit import commit_sampled
+from formwork.schemas.engine import EngineCoreOutput
 from formwork.schemas.scheduler import ModelRunnerOutput, SchedulerOutput
 
 _WAITING = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.PREEMPTED)
@@ -45,24 +47,19 @@ class Scheduler:
         self._in_runner: set[str] = set()          # ids whose state the runner holds
         self._finished_ids: set[str] = set()       # reported in the next plan
         self._pending_outputs: list[EngineCoreOutput] = []     # finishes decided in schedule()
-        self._pending_logprobs: dict[str, list[TokenLogprobs]] = {}
-        self._prompt_lps = PromptLogprobsCollector()
+        self._outputs = OutputBuffer()
 
     # ---- intake --------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        """Queue req; ValueError (nothing queued) when it can never run."""
+        """Queue req; ValueError (nothing queued) when it can never run. The prompt
+        was checked at the engine's door (core/prompt_check.py): asserted here."""
         n = req.num_prompt_tokens
-        if n == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, max_model_len is {self.max_model_len}: "
-                             "shorten the prompt (at least one token must be left to generate)")
-        if self.kv.num_blocks_for(n + 1) > self.kv.num_blocks:
-            raise ValueError(f"prompt needs {self.kv.num_blocks_for(n + 1)} KV blocks, the cache "
-                             f"has {self.kv.num_blocks}: shorten the prompt or enlarge the KV cache")
-        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
-            raise ValueError(f"prompt has {n} tokens, more than max_num_batched_tokens "
-                             f"{self.max_num_batched_tokens} without chunked prefill")
+        assert 0 < n < self.max_model_len, f"prompt of {n} tokens, max_model_len {self.max_model_len}"
+        if error := policy.admission_error(
+                n, blocks_needed=self.kv.num_blocks_for(n + 1), num_blocks=self.kv.num_blocks,
+                chunked=self.enable_chunked_prefill,
+                max_num_batched_tokens=self.max_num_batched_tokens):
+            raise ValueError(error)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.use_structured_output:
@@ -70,7 +67,8 @@ class Scheduler:
                 raise ValueError("structured outputs requested but no structured output manager")
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.som.submit(req.request_id, req.sampling_params.structured_outputs,
-                            budget=self._token_budget(req))
+                            budget=policy.token_budget(n, req.sampling_params.max_tokens,
+                                                       self.max_model_len))
         else:
             req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
@@ -196,71 +194,17 @@ class Scheduler:
             req.num_computed_tokens = base[rid] + n
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
             if scores_prompt(req):
-                self._prompt_lps.add(req, plps.get(rid))
+                self._outputs.add_prompt_logprobs(req, plps.get(rid))
             status = None
             if rid in sampled:             # max_tokens 0 (scoring only): the token is dropped
                 status = (RequestStatus.FINISHED_LENGTH_CAPPED if req.sampling_params.max_tokens == 0
-                          else self._on_sampled(req, *sampled[rid]))
+                          else commit_sampled(req, *sampled[rid], outputs=self._outputs,
+                                              som=self.som, max_model_len=self.max_model_len))
             if status is not None:
                 outputs.append(self._finish(req, status))
             elif req.pending_output_ids:
-                outputs.append(self._emit(req))
+                outputs.append(self._outputs.emit(req))
         return outputs
-
-    def _on_sampled(self, req: Request, token_id: int, lp) -> RequestStatus | None:
-        """Append a sampled token (+ grammar jump-forward); the finish status if it ends req."""
-        self._append(req, token_id, lp)
-        rid = req.request_id
-        if req.use_structured_output:
-            if not self.som.accept_tokens(rid, [token_id]):
-                req.error = self.som.error(rid) or "grammar rejected token"
-                return RequestStatus.FINISHED_ERROR
-            if self.som.is_terminated(rid):    # closed for its budget: max_tokens ended it
-                return (RequestStatus.FINISHED_LENGTH_CAPPED if self.som.budget_closed(rid)
-                        else RequestStatus.FINISHED_STOPPED)
-        status = self._stop_status(req, token_id)
-        if status is not None or not req.use_structured_output:
-            return status
-        for forced in self.som.jump_forward_tokens(rid):
-            self._append(req, forced, (0.0, []))   # forced by the grammar: p = 1 under it
-            if (status := self._stop_status(req, forced)) is not None:
-                return status
-        return None
-
-    def _append(self, req: Request, token_id: int, lp) -> None:
-        req.output_token_ids.append(token_id)
-        req.pending_output_ids.append(token_id)
-        if req.sampling_params.logprobs is not None and lp is not None:
-            chosen, top = lp
-            self._pending_logprobs.setdefault(req.request_id, []).append(TokenLogprobs(
-                chosen=Logprob(token_id, chosen), top=[Logprob(t, v) for t, v in top]))
-
-    def _token_budget(self, req: Request) -> int:
-        """The most tokens `req` may generate: max_tokens, and the context's room."""
-        room = self.max_model_len - req.num_prompt_tokens
-        max_tokens = req.sampling_params.max_tokens
-        return room if max_tokens is None else min(max_tokens, room)
-
-    def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
-        status, reason = policy.check_stop(
-            token_id, num_output_tokens=req.num_output_tokens, num_tokens=req.num_tokens,
-            eos_token_id=req.eos_token_id, params=req.sampling_params,
-            max_model_len=self.max_model_len)
-        if status is not None:
-            req.stop_reason = reason
-        return status
-
-    def _emit(self, req: Request) -> EngineCoreOutput:
-        """The output message for tokens appended since the last one (clears them)."""
-        out = EngineCoreOutput(
-            request_id=req.request_id, new_token_ids=req.pending_output_ids,
-            new_logprobs=self._pending_logprobs.pop(req.request_id, None),
-            prompt_logprobs=self._prompt_lps.take(req.request_id),
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason if req.is_finished else None,
-            num_cached_tokens=max(req.num_cached_tokens, 0), error=req.error)
-        req.pending_output_ids = []
-        return out
 
     # ---- finishing -----------------------------------------------------
     def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> EngineCoreOutput:
@@ -279,8 +223,8 @@ class Scheduler:
         req.error = error or req.error
         del self.requests[rid]
         self._drop_from_runner(rid)
-        out = self._emit(req)            # carries prompt logprobs completed this step
-        self._prompt_lps.drop(rid)
+        out = self._outputs.emit(req)    # carries prompt logprobs completed this step
+        self._outputs.drop(rid)
         return out
 
     def _drop_from_runner(self, rid: str) -> None:
@@ -306,32 +250,16 @@ class Scheduler:
         return outputs
 
     def sub_plan(self, plan: SchedulerOutput, req_ids: list[str]) -> SchedulerOutput:
-        """`plan` restricted to the still-running `req_ids`, for re-running a failed
-        step on part of its batch (EngineCore isolates the culprit). Same positions and
-        token counts as `plan`; each request is re-sent in full (NewRequestData with all
-        its blocks) and also listed in finished_req_ids, so the runner first drops the
-        state the failed attempt left (it had applied the plan's diffs). Mutates nothing:
-        progress is still committed only by update_from_output(sub_plan, ...)."""
-        keep = {rid for rid in req_ids
+        """`plan` restricted to the still-running `req_ids`, each re-sent in full
+        (core/plan.resend_plan). Mutates nothing: progress is still committed only by
+        update_from_output(sub_plan, ...)."""
+        keep = {rid: r for rid in req_ids
                 if (r := self.requests.get(rid)) is not None and r.status == RequestStatus.RUNNING}
-        base = {r.req_id: r.num_computed_tokens for r in plan.new_reqs}
-        base.update((r.req_id, r.num_computed_tokens) for r in plan.cached_reqs)
-        sub = PlanBuilder(plan.total_num_scheduled_tokens)
-        for rid, n in plan.num_scheduled_tokens.items():
-            if rid in keep:
-                req = self.requests[rid]
-                sub.add(req, n, base[rid], new_block_ids=[],
-                        all_block_ids=self.kv.get_block_ids(rid))
-        # plan's other requests (a re-admitted id may be in both) keep their runner state
-        sub.out.finished_req_ids = (plan.finished_req_ids - set(plan.num_scheduled_tokens)) | keep
-        return sub.out
+        return resend_plan(plan, keep, self.kv.get_block_ids)
 
     # ---- queries -------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def get_num_unfinished(self) -> int:
-        return len(self.requests)
 
     @property
     def num_running(self) -> int:

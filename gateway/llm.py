@@ -10,7 +10,8 @@ by its scheduler. The EngineCore runs in its own process by default (as vLLM
 V1's does): the caller's own torch work cannot slow it, and it starts with the
 OpenMP settings formwork chooses (gpu/cpu_threads.py). `LLM(engine_process=False)`
 (or FORMWORK_ENGINE_PROCESS=0) keeps it in this process, where `llm.engine` is
-the EngineCore itself (debugging, tests that look inside).
+the EngineCore itself (debugging, tests that look inside; `step_hooks` observes
+its steps: core/step_hooks.py).
 
 `LLM(data_parallel_size=N)` starts N engine processes, each with its own
 scheduler and KV cache; prompts are spread over them by the server's rule
@@ -24,6 +25,7 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
+from formwork.core.step_hooks import StepHooks
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.sampling import SamplingParams, check_token_ids
@@ -40,7 +42,7 @@ def _engine_process_default() -> bool:
 
 class LLM:
     def __init__(self, model: str | None = None, *, engine_process: bool | None = None,
-                 **engine_kwargs):
+                 step_hooks: StepHooks | None = None, **engine_kwargs):
         self.config = EngineConfig(model=model, **engine_kwargs)
         if engine_process is None:
             engine_process = _engine_process_default()
@@ -49,12 +51,15 @@ class LLM:
                 or self.config.distributed_executor_backend == "ray") and not engine_process:
             raise ValueError("data_parallel_size > 1 and the ray backend run engines in their own "
                              "processes: leave engine_process at its default (True)")
+        if step_hooks is not None and engine_process:
+            raise ValueError("step_hooks: observe an engine in this process only; "
+                             "pass engine_process=False")
         if engine_process:
             from formwork.gateway.engine_factory import make_engine_process
             self.engine, self._release = make_engine_process(self.config)
         else:
             from formwork.core.engine_core import EngineCore
-            self.engine = EngineCore(self.config)
+            self.engine = EngineCore(self.config, hooks=step_hooks)
         self.tokenizer = self.engine.tokenizer
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -94,11 +99,11 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
-        # validate everything before admitting anything: a bad prompt fails the call, not the engine
+        # the entry's checks, all before admitting anything: a bad prompt fails the call, not
+        # the engine (each SamplingParams checked itself when it was built)
         tokenized = [self._to_tokens(p) for p in prompts]
         for (_, ids), p in zip(tokenized, params):
             self.engine.check_prompt(ids)
-            p.validate()
             check_token_ids(p, self.engine.vocab_size)
         order = []
         for (text, ids), p in zip(tokenized, params):

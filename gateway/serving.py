@@ -106,29 +106,11 @@ async def run_until_disconnect(coro: Awaitable[T], request: Request) -> T:
     return task.result()
 
 
-async def generate_final(state: ServerState, request_id: str, prompt: str | None,
-                         prompt_ids: list[int], params: SamplingParams,
-                         timer: RequestTimer) -> RequestOutput:
-    """Run one request to completion; records its metrics (also when cut short)."""
-    final: RequestOutput | None = None
-    try:
-        async with contextlib.aclosing(
-                state.engine.generate(request_id, prompt, prompt_ids, params)) as gen:
-            async for ro in gen:
-                timer.on_tokens(sum(len(c.delta_token_ids) for c in ro.outputs))
-                final = ro
-    finally:
-        reasons = ([c.finish_reason for c in final.outputs] if final is not None and final.finished
-                   else ["abort"] * params.n)
-        state.metrics.observe_finished(timer, len(prompt_ids), reasons)
-    assert final is not None and final.finished
-    return final
-
-
 async def stream_outputs(state: ServerState, request_id: str, prompt: str | None,
                          prompt_ids: list[int], params: SamplingParams,
                          timer: RequestTimer) -> AsyncIterator[RequestOutput]:
-    """Like `generate_final` but yields every RequestOutput; closing it aborts the request."""
+    """Run one request, yielding every RequestOutput; closing it aborts the request.
+    Records its metrics (also when cut short)."""
     last: RequestOutput | None = None
     try:
         async with contextlib.aclosing(
@@ -141,3 +123,16 @@ async def stream_outputs(state: ServerState, request_id: str, prompt: str | None
         reasons = ([c.finish_reason for c in last.outputs] if last is not None and last.finished
                    else ["abort"] * params.n)
         state.metrics.observe_finished(timer, len(prompt_ids), reasons)
+
+
+async def generate_final(state: ServerState, request_id: str, prompt: str | None,
+                         prompt_ids: list[int], params: SamplingParams,
+                         timer: RequestTimer) -> RequestOutput:
+    """`stream_outputs` run to completion: its last (finished) RequestOutput."""
+    final: RequestOutput | None = None
+    async with contextlib.aclosing(
+            stream_outputs(state, request_id, prompt, prompt_ids, params, timer)) as outputs:
+        async for final in outputs:
+            pass
+    assert final is not None and final.finished
+    return final

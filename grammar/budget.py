@@ -55,12 +55,11 @@ class Budget:
     searched_at: int | None = None      # `left` at the last search
     closed_early: bool = False          # a bitmask row was narrowed to close it
 
-    def spend(self, token_ids: list[int], sign: int = 1) -> None:
-        """Accepted (sign 1) or rolled-back (-1) tokens; the closing path stays known
-        while the tokens follow it."""
-        self.left -= sign * len(token_ids)
+    def spend(self, token_ids: list[int]) -> None:
+        """Accepted tokens; the closing path stays known while they follow it."""
+        self.left -= len(token_ids)
         path = self.closing
-        follows = sign > 0 and path is not None and path[:len(token_ids)] == list(token_ids)
+        follows = path is not None and path[:len(token_ids)] == list(token_ids)
         self.closing = path[len(token_ids):] if follows else None
 
     def search_due(self) -> bool:

@@ -8,11 +8,10 @@ touched only by the engine thread.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -20,6 +19,7 @@ import torch
 
 from formwork.grammar.backend import CompiledGrammar, GrammarBackend, Matcher, allocate_bitmask
 from formwork.grammar.budget import Budget, ClosingSearch
+from formwork.grammar.compile_pool import compile_pool
 from formwork.grammar.jump_forward import forced_tokens
 from formwork.grammar.llguidance_backend import LLGuidanceBackend
 from formwork.grammar.outlines_backend import OutlinesBackend
@@ -29,21 +29,6 @@ from formwork.grammar.xgrammar_backend import XGrammarBackend
 from formwork.schemas.structured import StructuredOutputsParams
 
 Status = Literal["pending", "ready", "failed"]
-
-# Compile threads run at this nice value above the engine's: a storm of new
-# schemas then takes the CPU the forward leaves over instead of halving decode
-# for every running request (#13 point 6). Compiles wait for their grammar anyway.
-COMPILE_NICE_INCREMENT = 10
-
-
-def lower_thread_priority() -> None:
-    """Lower the calling thread's CPU priority (Linux: nice is per thread)."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid,
-                       min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICE_INCREMENT))
-    except (OSError, AttributeError):   # another OS, or not permitted: same priority
-        pass
 
 
 @dataclass(slots=True)
@@ -99,8 +84,7 @@ class StructuredOutputManager:
         # only when a constraint first needs it.
         self._backends: dict[str, GrammarBackend] = {
             name: self._new_backend(name) for name in ("llguidance", "xgrammar")}
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile",
-                                        initializer=lower_thread_priority)
+        self._pool = compile_pool(num_threads)     # threads at a lower CPU priority
         self._lock = threading.Lock()   # guards _cache, _inflight, _stats
         self._backend_lock = threading.Lock()   # guards _backends
         self._cache: OrderedDict[str, tuple[CompiledGrammar, GrammarBackend]] = OrderedDict()
@@ -112,10 +96,6 @@ class StructuredOutputManager:
         self._closing = ClosingSearch(self.vocab, vocab_size, self.vocab.eos_token_id, tokenizer)
 
     # --- compilation ---------------------------------------------------------------
-    def validate(self, params: StructuredOutputsParams) -> None:
-        """Synchronous check (ValueError with a how-to-fix message); compiles nothing."""
-        choose_backend(params, self._default_backend)
-
     def submit(self, request_id: str, params: StructuredOutputsParams,
                budget: int | None = None) -> None:
         """Start compiling `params` for `request_id`; never blocks on compilation.
@@ -161,9 +141,9 @@ class StructuredOutputManager:
         entry = self._requests.get(request_id)
         return entry is not None and entry.budget is not None and entry.budget.closed_early
 
-    def _spend(self, request_id: str, token_ids: list[int], sign: int = 1) -> None:
+    def _spend(self, request_id: str, token_ids: list[int]) -> None:
         if (budget := self._requests[request_id].budget) is not None:
-            budget.spend(token_ids, sign)
+            budget.spend(token_ids)
 
     def _backend(self, name: str) -> GrammarBackend:
         with self._backend_lock:
@@ -250,10 +230,6 @@ class StructuredOutputManager:
 
     def is_terminated(self, request_id: str) -> bool:
         return self._matcher(request_id).is_terminated()
-
-    def rollback(self, request_id: str, num_tokens: int) -> None:
-        self._matcher(request_id).rollback(num_tokens)
-        self._spend(request_id, [0] * num_tokens, -1)
 
     def jump_forward_tokens(self, request_id: str) -> list[int]:
         """Tokens of the forced continuation, already accepted; [] if none/disabled."""

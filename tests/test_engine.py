@@ -3,16 +3,17 @@ aborts inside a step, bad input, block accounting, sampling options."""
 import pytest
 
 from formwork import LLM, SamplingParams
+from formwork.core.step_hooks import StepHooks
 from formwork.schemas.engine import EngineCoreRequest, FinishReason
 
 GREEDY = dict(temperature=0, ignore_eos=True)
+HOOKS = StepHooks(check_invariants=True)        # the `llm` fixture's engine's
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=64,
-              block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
-    llm.engine.check_invariants_each_step = True
+              block_size=16, max_num_batched_tokens=64, max_num_seqs=8, step_hooks=HOOKS)
     yield llm
     llm.shutdown()
 
@@ -27,13 +28,13 @@ def assert_idle(llm):
 def test_step_order_trace(llm):
     trace = []
     eng = llm.engine
-    eng.tracer = trace.append
+    HOOKS.trace = trace.append
     try:
         eng.add_request(EngineCoreRequest(request_id="t", prompt_token_ids=[5, 6, 7],
                                           sampling_params=SamplingParams(max_tokens=2, **GREEDY)))
         eng.step()
     finally:
-        eng.tracer = None
+        HOOKS.trace = None
     assert trace == ["schedule", "execute", "grammar", "wait", "aborts", "update"]
     while eng.has_unfinished_requests():
         eng.step()
@@ -47,11 +48,11 @@ def test_abort_during_step_emits_no_token_and_frees_blocks_once(llm):
         eng.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=list(range(10, 40)),
                                           sampling_params=sp))
     eng.step()                                             # both prefilled, first token each
-    eng.tracer = lambda what: eng.abort_requests(["a"]) if what == "grammar" else None
+    HOOKS.trace = lambda what: eng.abort_requests(["a"]) if what == "grammar" else None
     try:
         outs = eng.step().outputs
     finally:
-        eng.tracer = None
+        HOOKS.trace = None
     by_id = {o.request_id: o for o in outs}
     assert by_id["a"].finish_reason == FinishReason.ABORT and by_id["a"].new_token_ids == []
     assert by_id["b"].new_token_ids and by_id["b"].finish_reason is None
@@ -88,8 +89,7 @@ def test_preemption_recomputes_identically(tiny_model_dir):
                                                         use_tqdm=False)]
     big.shutdown()
     small = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=14, block_size=16,
-                enable_prefix_caching=False)
-    small.engine.check_invariants_each_step = True
+                enable_prefix_caching=False, step_hooks=StepHooks(check_invariants=True))
     got = [o.outputs[0].token_ids for o in small.generate([{"prompt_token_ids": p} for p in prompts], sp,
                                                          use_tqdm=False)]
     assert small.get_stats().num_preemptions > 0

@@ -5,7 +5,8 @@ have produced anyway. The fault is injected by a wrapping executor passed in."""
 import pytest
 
 from formwork.core.engine_core import EngineCore
-from formwork.core.tokenizer import load_tokenizer
+from formwork.core.step_hooks import StepHooks
+from formwork.gpu.model_files import load_model_tokenizer
 from formwork.gpu.executor import Executor
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import EngineCoreRequest, FinishReason
@@ -59,15 +60,15 @@ def parts(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
                           block_size=16, max_num_batched_tokens=256, max_num_seqs=8)
     executor = Executor(config, tiny_model_dir)
-    yield config, executor, load_tokenizer(str(tiny_model_dir))
+    yield config, executor, load_model_tokenizer(str(tiny_model_dir))
     executor.shutdown()
 
 
 def _engine(parts, fails) -> tuple[EngineCore, FaultyExecutor]:
     config, executor, tokenizer = parts
     faulty = FaultyExecutor(executor, fails)
-    engine = EngineCore(config, executor=faulty, tokenizer=tokenizer)
-    engine.check_invariants_each_step = True
+    engine = EngineCore(config, executor=faulty, tokenizer=tokenizer,
+                        hooks=StepHooks(check_invariants=True))
     return engine, faulty
 
 

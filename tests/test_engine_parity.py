@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from formwork import LLM, SamplingParams
+from formwork.core.step_hooks import StepHooks
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +50,8 @@ def test_prompt_lengths_differ(hf_reference):
 
 def test_alone_batched_and_prefix_cached(hf_reference):
     ids, want = hf_reference
-    llm = LLM(dtype="float32", engine_process=False, num_kv_blocks=256)
-    llm.engine.check_invariants_each_step = True
+    llm = LLM(dtype="float32", engine_process=False, num_kv_blocks=256,
+              step_hooks=StepHooks(check_invariants=True))
     assert [run(llm, [i])[0] for i in ids] == want                 # alone
     assert run(llm, ids) == want                                   # mixed batch
     hits = llm.get_stats().prefix_cache_hits
@@ -70,8 +71,8 @@ def test_chunked_prefill(hf_reference):
 def test_preempted_and_recomputed(hf_reference):
     ids, want = hf_reference
     # room for about two sequences at a time: forces preemption by recompute
-    llm = LLM(dtype="float32", engine_process=False, num_kv_blocks=10, block_size=16, enable_prefix_caching=False)
-    llm.engine.check_invariants_each_step = True
+    llm = LLM(dtype="float32", engine_process=False, num_kv_blocks=10, block_size=16, enable_prefix_caching=False,
+              step_hooks=StepHooks(check_invariants=True))
     assert run(llm, ids) == want
     assert llm.get_stats().num_preemptions > 0
     kv = llm.engine.kv_manager

@@ -326,3 +326,15 @@ def test_long_rejected_batch_is_taken_back(backend, backends, tokenizer, vocab):
     m.fill_bitmask(after, 0)
     assert torch.equal(before, after)
     assert accepts(m, tokenizer, vocab, "abc")
+
+
+def test_choose_backend_refuses_naming_the_problem_and_compiles_nothing():
+    """The synchronous check the engine's compile starts with (grammar/manager.py)."""
+    bad = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(ValueError, match=r"'uniqueItems' at \$\.properties\.tags"):
+        choose_backend(P(json=bad))
+    with pytest.raises(ValueError, match="invalid regex|cannot compile this regex"):
+        choose_backend(P(regex="(a"))
+    with pytest.raises(ValueError, match="grammar"):
+        choose_backend(P(grammar="root ::= undefined_rule"))
+    assert choose_backend(P(json=PERSON)) == "llguidance"

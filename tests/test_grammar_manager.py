@@ -9,6 +9,7 @@ import torch
 from xgrammar.testing import bitmask_to_bool_mask
 
 from formwork.grammar.backend import allocate_bitmask, allowed_mask, set_only_tokens
+from formwork.grammar.compile_pool import COMPILE_NICE_INCREMENT
 from formwork.grammar.manager import StructuredOutputManager
 from formwork.schemas.structured import StructuredOutputsParams as P
 
@@ -87,13 +88,6 @@ def test_failure_is_isolated_and_messages_name_keyword_and_path(manager):
     assert manager.error("meta").startswith("invalid JSON Schema at $.properties.a.type")
     assert manager.status("empty") == "failed" and "exactly one of" in manager.error("empty")
     assert wait(manager, "good") == "ready"
-    with pytest.raises(ValueError, match=r"'uniqueItems' at \$\.properties\.tags"):
-        manager.validate(P(json=bad))
-    with pytest.raises(ValueError, match="invalid regex|cannot compile this regex"):
-        manager.validate(P(regex="(a"))
-    with pytest.raises(ValueError, match="grammar"):
-        manager.validate(P(grammar="root ::= undefined_rule"))
-    manager.validate(P(json=SCHEMA))
 
 
 def test_compile_timeout_fails_the_request(tokenizer, monkeypatch):
@@ -230,8 +224,6 @@ def test_compile_threads_run_at_a_lower_cpu_priority_than_the_engine_thread(mana
     is the engine thread's + COMPILE_NICE_INCREMENT (Linux: nice is per thread)."""
     import os
 
-    from formwork.grammar import manager as manager_mod
-
     seen = {}
     backend = manager._backends["llguidance"]
     original = backend.compile
@@ -244,4 +236,4 @@ def test_compile_threads_run_at_a_lower_cpu_priority_than_the_engine_thread(mana
     manager.submit("r-nice", P(json=SCHEMA))
     assert wait(manager, "r-nice") == "ready"
     engine_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert seen["nice"] == min(19, engine_nice + manager_mod.COMPILE_NICE_INCREMENT)
+    assert seen["nice"] == min(19, engine_nice + COMPILE_NICE_INCREMENT)

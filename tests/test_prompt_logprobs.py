@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from formwork import LLM, SamplingParams
+from formwork.core.step_hooks import StepHooks
 from formwork.gpu.sampler import score_prompt
 
 K = 3
@@ -89,8 +90,8 @@ def _gen(llm, prompts, **kw):
 def test_tiny_chunked_batched_and_scoring_only(tiny_model_dir, tiny_hf):
     prompts = [_ids(37, 1), _ids(5, 2), _ids(1, 3)]
     llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=64, block_size=8,
-              max_num_batched_tokens=16)             # 37 tokens: three chunks, odd boundaries
-    llm.engine.check_invariants_each_step = True
+              max_num_batched_tokens=16,             # 37 tokens: three chunks, odd boundaries
+              step_hooks=StepHooks(check_invariants=True))
     outs = _gen(llm, prompts, temperature=0, max_tokens=3, prompt_logprobs=K)
     for o, ids in zip(outs, prompts):
         check_prompt_logprobs(o.prompt_logprobs, ids, hf_logprobs(tiny_hf, ids))
@@ -127,8 +128,8 @@ def test_tiny_preempted_during_prefill(tiny_model_dir, tiny_hf):
     # the later arrival, is preempted in the middle of its chunked prefill and recomputed.
     a, b = _ids(8, 6), _ids(80, 7)
     llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=12, block_size=8,
-              max_num_batched_tokens=9, enable_prefix_caching=False)
-    llm.engine.check_invariants_each_step = True
+              max_num_batched_tokens=9, enable_prefix_caching=False,
+              step_hooks=StepHooks(check_invariants=True))
     sched = llm.engine.scheduler
     preempted_in_prefill = []
     step = llm.engine.step
@@ -173,8 +174,8 @@ def real_hf(default_model_dir):
 @pytest.mark.slow
 def test_real_model_alone_chunked_and_prefix_shared(real_hf):
     ids, model = real_hf
-    llm = LLM(dtype="float32", num_kv_blocks=128, max_num_batched_tokens=16)  # chunks of <= 16
-    llm.engine.check_invariants_each_step = True
+    llm = LLM(dtype="float32", num_kv_blocks=128, max_num_batched_tokens=16,  # chunks of <= 16
+              engine_process=False, step_hooks=StepHooks(check_invariants=True))
     for o, i in zip(_gen(llm, ids, temperature=0, max_tokens=2, prompt_logprobs=K), ids):
         check_prompt_logprobs(o.prompt_logprobs, i, hf_logprobs(model, i))
         assert o.prompt_logprobs[1][i[1]].decoded_token == llm.tokenizer.decode([i[1]])

@@ -10,16 +10,18 @@ import jsonschema
 import pytest
 
 from formwork import LLM, SamplingParams, StructuredOutputsParams as SO
+from formwork.core.step_hooks import StepHooks
 from formwork.schemas.engine import EngineCoreRequest, FinishReason
 
+TINY_HOOKS = StepHooks(check_invariants=True)     # the `tiny` fixture's engine's
 SIMPLE = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=128)
-    llm.engine.check_invariants_each_step = True
+    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=128,
+              step_hooks=TINY_HOOKS)
     yield llm
     llm.shutdown()
 
@@ -57,6 +59,8 @@ def test_bitmask_fill_overlaps_the_forward(tiny):
         return mask
 
     eng.structured.fill_bitmask = traced_fill
+    step_timings: list[dict] = []
+    TINY_HOOKS.on_timing = step_timings.append
     try:
         eng.add_request(EngineCoreRequest(
             request_id="ov", prompt_token_ids=[1, 2, 3],
@@ -66,8 +70,9 @@ def test_bitmask_fill_overlaps_the_forward(tiny):
             n_fills = len(fills)
             eng.step()
             if len(fills) > n_fills:          # this step filled a bitmask
-                timings.append(dict(eng.last_step_timing))
+                timings.append(step_timings[-1])
     finally:
+        TINY_HOOKS.on_timing = None
         runner.execute_model = real
         del eng.structured.fill_bitmask
     assert fills and timings
@@ -189,11 +194,11 @@ def test_real_model_constrained_outputs_validate(backend):
         convs.append(_chat("What is 6 times 7?"))
         specs.append(SO(grammar=GRAMMAR, backend=backend))
         checks.append(lambda text: re.fullmatch(r"The answer is [1-9][0-9]?\.", text) or pytest.fail(text))
-    from formwork.core.validation import validate_structured
+    from formwork.grammar.selection import validate_params
     kept = []
     for i, spec in enumerate(specs):
         try:
-            validate_structured(spec)
+            validate_params(spec)
             kept.append(i)
         except ValueError as e:      # rejected up front, naming the keyword: never silently loosened
             assert backend == "outlines" and "unsupported JSON Schema keyword 'minimum'" in str(e), e
@@ -230,10 +235,10 @@ def test_real_model_length_cut_reports_length():
 
 
 def test_outlines_refuses_json_object_up_front():
-    from formwork.core.validation import validate_structured
+    from formwork.grammar.selection import validate_params
     with pytest.raises(ValueError, match="json_object"):
-        validate_structured(SO(json_object=True, backend="outlines"))
-    validate_structured(SO(json_object=True))          # auto -> llguidance
+        validate_params(SO(json_object=True, backend="outlines"))
+    validate_params(SO(json_object=True))          # auto -> llguidance
 
 
 def test_stop_strings_cut_constrained_output_and_say_so(tiny):
