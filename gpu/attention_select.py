@@ -1,14 +1,14 @@
 """Which attention backend a device gets: the one "auto" rule.
 
-Its own module so that neither backend module imports the other (the torch
-backend and its metadata live in gpu/attention.py, the Triton one in
-gpu/attention_triton.py, which builds on that metadata).
+Its own module so that the backends (gpu/attention_torch.py,
+gpu/attention_triton.py) import only their common base, gpu/attention.py.
 """
 from __future__ import annotations
 
 import torch
 
-from formwork.gpu.attention import AttentionBackend, TorchAttentionBackend
+from formwork.gpu.attention import AttentionBackend
+from formwork.gpu.attention_torch import TorchAttentionBackend
 
 BACKENDS = ("auto", "torch", "triton")
 

@@ -7,17 +7,27 @@ from __future__ import annotations
 
 import torch
 
-from formwork.gpu.attention import AttentionBackend, AttentionMetadata
+from formwork.gpu.attention import AttentionBackend, AttentionMetadata, flatten_batch
 from formwork.kernels.kv_store import store_kv
 from formwork.kernels.paged_attention import paged_attention
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Two launches per layer; reads only `meta`'s flat tensors (slot_mapping,
-    block_table, query_start_loc, seq_lens), never its torch-path groups."""
+    """Two launches per layer over the common metadata's flat tensors
+    (slot_mapping, block_table, query_start_loc, seq_lens): graph-capturable."""
 
     name = "triton"
-    needs_groups = False
+
+    def build_metadata(self, query_lens: list[int], seq_lens: list[int],
+                       block_tables: list[list[int]], block_size: int,
+                       device: torch.device | str) -> AttentionMetadata:
+        """The common fields only: the kernels need no host-built work split."""
+        return AttentionMetadata.from_flat(flatten_batch(query_lens, seq_lens, block_tables, block_size),
+                                           device)
+
+    @property
+    def graph_capturable(self) -> bool:
+        return True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,

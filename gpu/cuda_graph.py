@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from formwork.gpu.attention import AttentionMetadata
+from formwork.gpu.attention import AttentionBackend, AttentionMetadata
 
 MAX_CAPTURE_SIZE = 512
 
@@ -70,27 +71,34 @@ class CudaGraphFactory:
         return graph, out
 
 
-def pick_graph_factory(device_type: str, backend_needs_groups: bool, enforce_eager: bool,
+def pick_graph_factory(device_type: str, backend: AttentionBackend, enforce_eager: bool,
                        override: GraphFactory | None = None) -> GraphFactory | None:
     """The factory to capture decode graphs with, or None for eager only.
 
-    Graphs need a backend that reads only the flat metadata tensors (the torch
-    backend's `groups` are host-built per step) and CUDA; `override` (tests)
-    stands in for CUDA."""
-    if enforce_eager or backend_needs_groups:
+    Graphs need a `graph_capturable` backend (not the torch backend: its work
+    split is host-built per step) and CUDA; `override` (tests) stands in for CUDA."""
+    if enforce_eager or not backend.graph_capturable:
         return None
     if override is not None:
         return override
     return CudaGraphFactory() if device_type == "cuda" else None
 
 
+def _pad_rows(n: int, width: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """`build_metadata`'s (query_lens, seq_lens, block_tables) for n pad rows: one
+    token at position 0, block id -1 (slot -1: never stored; attends to one key
+    of block 0, read, never written)."""
+    return [1] * n, [1] * n, [[-1] * width] * n
+
+
 class DecodeGraphRunner:
     """Owns the static decode inputs and one graph per capture size.
 
-    Static buffers (max_bs = largest size): input ids, positions and slot
-    mapping [max_bs] int64; seq_lens [max_bs] int32; block_table [max_bs,
-    max_blocks_per_seq] int32; query_start_loc [max_bs + 1] int32 = 0..max_bs.
-    Writes K/V only through the model's forward, at real rows' slots.
+    Static buffers (max_bs = largest size): input ids and positions [max_bs]
+    int64, and the metadata the model's backend builds for max_bs pad rows
+    (block tables max_blocks_per_seq wide); each step's metadata, from the same
+    `build_metadata`, is copied into its first rows. Writes K/V only through
+    the model's forward, at real rows' slots.
     """
 
     def __init__(self, model, kv_caches, *, sizes: Sequence[int], block_size: int,
@@ -103,13 +111,13 @@ class DecodeGraphRunner:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self._factory = factory
+        self._backend = model.attn_backend
+        assert self._backend.graph_capturable, self._backend.name
         max_bs = self.sizes[-1]
         with torch.inference_mode():
-            self._i64 = torch.zeros((3, max_bs), dtype=torch.int64, device=device)  # ids, positions, slots
-            self._i64[2].fill_(-1)
-            self._seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-            self._block_table = torch.zeros((max_bs, max_blocks_per_seq), dtype=torch.int32, device=device)
-            self._query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+            self._i64 = torch.zeros((2, max_bs), dtype=torch.int64, device=device)  # ids, positions
+            self._static = self._backend.build_metadata(
+                *_pad_rows(max_bs, max_blocks_per_seq), block_size, device)
         self._graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
         self.replays: collections.Counter[int] = collections.Counter()  # capture size -> replays
 
@@ -124,14 +132,14 @@ class DecodeGraphRunner:
                 and max(seq_lens) <= self.max_blocks_per_seq * self.block_size)
 
     def _meta(self, b: int) -> AttentionMetadata:
-        """Metadata over the static buffers' first b rows. Host-side fields are
-        not per-step under capture: max_seq_len is the upper bound, seq_lens_cpu []."""
-        return AttentionMetadata(
-            query_start_loc=self._query_start_loc[:b + 1], seq_lens=self._seq_lens[:b],
-            block_table=self._block_table[:b], slot_mapping=self._i64[2, :b],
-            max_query_len=1, max_seq_len=self.max_blocks_per_seq * self.block_size,
-            query_lens_cpu=[1] * b, seq_lens_cpu=[], block_size=self.block_size,
-            store_index=None, groups=[])
+        """The static metadata's first b rows (views). A graph-capturable backend
+        reads only these tensors; the rest describes the pad rows of capture
+        (max_seq_len: the upper bound)."""
+        s = self._static
+        return dataclasses.replace(
+            s, query_start_loc=s.query_start_loc[:b + 1], seq_lens=s.seq_lens[:b],
+            block_table=s.block_table[:b], slot_mapping=s.slot_mapping[:b],
+            max_seq_len=self.max_blocks_per_seq * self.block_size)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -162,20 +170,18 @@ class DecodeGraphRunner:
         assert self.fits([1] * n, seq_lens), (n, max(seq_lens, default=0))
         b = padded_size(n, self.sizes)
         bs = self.block_size
-        nblocks = [-(-s // bs) for s in seq_lens]
-        table = np.zeros((b, max(nblocks)), dtype=np.int32)          # pad rows: block 0
-        packed = np.zeros((3, b), dtype=np.int64)                     # ids, positions, slots
-        packed[2] = -1
-        for i, (tok, s, row, nb) in enumerate(zip(input_ids, seq_lens, block_tables, nblocks)):
-            table[i, :nb] = row[:nb]
-            block = row[(s - 1) // bs]
-            packed[:, i] = tok, s - 1, block * bs + (s - 1) % bs if block >= 0 else -1
-        np.maximum(table, 0, out=table)
-        seq = np.ones(b, dtype=np.int32)
-        seq[:n] = seq_lens
+        _, pad_lens, pad_tables = _pad_rows(b - n, 1)
+        tables = [row[:-(-s // bs)] for s, row in zip(seq_lens, block_tables)]
+        step = self._backend.build_metadata([1] * b, list(seq_lens) + pad_lens,
+                                            tables + pad_tables, bs, "cpu")   # host; copied below
+        packed = np.zeros((2, b), dtype=np.int64)                     # ids, positions (pads: 0, 0)
+        packed[0, :n] = input_ids
+        packed[1, :n] = np.asarray(seq_lens) - 1
         self._i64[:, :b].copy_(torch.from_numpy(packed))
-        self._seq_lens[:b].copy_(torch.from_numpy(seq))
-        self._block_table[:b, :table.shape[1]].copy_(torch.from_numpy(table))
+        s = self._static                  # query_start_loc: 0..b already
+        s.slot_mapping[:b].copy_(step.slot_mapping)
+        s.seq_lens[:b].copy_(step.seq_lens)
+        s.block_table[:b, :step.block_table.shape[1]].copy_(step.block_table)
         graph, out = self._graphs[b]
         graph.replay()
         self.replays[b] += 1

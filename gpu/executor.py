@@ -25,7 +25,6 @@ from formwork.gpu.cuda_graph import DecodeGraphRunner, GraphFactory, capture_siz
 from formwork.gpu.model import ModelConfig
 from formwork.gpu.model_runner import ModelRunner
 from formwork.gpu.rank_setup import build_rank, forward_threads, pick_device
-from formwork.gpu.rank_setup import resolve_dtype  # noqa: F401 - re-exported (bench/)
 from formwork.gpu.tensor_parallel import TPGroup, free_port, shard_config
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -126,7 +125,7 @@ class Executor:
             self._tp = TPGroup.init(0, config.tensor_parallel_size, init_method, self.device)
         st = build_rank(config, model_dir, self.device, self._tp)
         # CUDA graphs stay off under TP (capturing the all-reduces is not wired up)
-        factory = pick_graph_factory(self.device.type, st.backend.needs_groups,
+        factory = pick_graph_factory(self.device.type, st.backend,
                                      config.enforce_eager or self._tp is not None, graph_factory)
         graphs = None if factory is None else _capture_decode_graphs(
             config, st.model, st.kv_caches, st.max_model_len, self.device, factory)

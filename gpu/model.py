@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from formwork.gpu.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from formwork.gpu.attention import AttentionBackend, AttentionMetadata
+from formwork.gpu.attention_torch import TorchAttentionBackend
 from formwork.kernels import cpu_fused_ops as fused
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -196,14 +197,17 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names match HF except the fused `qkv_proj` / `gate_up_proj`."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None):
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
+                 ops: LayerOps | None = None):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
+        # both fixed for the model's life; each step's metadata comes from the
+        # backend's build_metadata
         self.attn_backend = attn_backend or TorchAttentionBackend()
-        self.ops = TORCH_OPS          # the executor swaps in CPU_FUSED_OPS where they build
+        self.ops = ops or TORCH_OPS
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

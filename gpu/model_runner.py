@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from formwork.gpu.attention import AttentionMetadata
 from formwork.gpu.cuda_graph import DecodeGraphRunner
 from formwork.gpu.sampler import Sampler, SamplingBatch, logit_bias_tensors, score_prompt
 from formwork.schemas.sampling import SamplingParams
@@ -119,10 +118,8 @@ class ModelRunner:
             self.step_paths["graph"] += 1
             return self.graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables)
         self.step_paths["eager"] += 1
-        backend = self.model.attn_backend
-        meta = AttentionMetadata.build(inp.query_lens, inp.seq_lens, inp.block_tables, self.block_size,
-                                       self.device, with_groups=backend.needs_groups,
-                                       paged_decode=backend.paged_decode)
+        meta = self.model.attn_backend.build_metadata(inp.query_lens, inp.seq_lens, inp.block_tables,
+                                                      self.block_size, self.device)
         ids = torch.tensor(inp.input_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
         return self.model(ids, positions, self.kv_caches, meta)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from formwork.gpu.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from formwork.gpu.attention import AttentionBackend, allocate_kv_cache, kv_cache_bytes_per_block
 from formwork.gpu.attention_select import get_attention_backend
 from formwork.gpu.cpu_linear import pack_linears, packing_supported
 from formwork.gpu.loader import load_model
@@ -36,7 +36,7 @@ class RankState:
     vocab_size: int
     device: torch.device
     dtype: torch.dtype
-    backend: object                  # the AttentionBackend
+    backend: AttentionBackend        # also model.attn_backend
 
 
 def cpu_has_native_bf16() -> bool:
@@ -107,15 +107,14 @@ def build_rank(config: EngineConfig, model_dir, device: torch.device,
     mcfg = ModelConfig.from_dir(model_dir)
     rank_cfg = shard_config(mcfg, tp.size) if tp is not None else mcfg
     backend = get_attention_backend(config.attention_backend, device)
-    model = load_model(model_dir, dtype=dtype, device=device, tp=tp)
-    model.attn_backend = backend
+    fused = config.fused_elementwise and device.type == "cpu" and dtype == torch.bfloat16 \
+        and cpu_fused_ops.available()
+    model = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend,
+                       ops=CPU_FUSED_OPS if fused else None, tp=tp)
     if config.packed_linears and packing_supported(dtype, device):
         n = pack_linears(model)
         if tp is None or tp.rank == 0:
             log.info("packed oneDNN linears: %d", n)
-    if config.fused_elementwise and device.type == "cpu" and dtype == torch.bfloat16 \
-            and cpu_fused_ops.available():
-        model.ops = CPU_FUSED_OPS
     max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     if config.max_model_len and config.max_model_len > mcfg.max_position_embeddings:
         raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "

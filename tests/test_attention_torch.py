@@ -4,19 +4,19 @@ different shapes."""
 import pytest
 import torch
 
-from formwork.gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache
+from formwork.gpu.attention import allocate_kv_cache
+from formwork.gpu.attention_torch import TorchAttentionBackend
 from formwork.kernels.paged_attention import paged_attention_ref
 
 
-def _case(gen, query_lens, seq_lens, bs=8, heads=6, kv_heads=2, dim=16, num_blocks=64,
-          paged_decode=False):
+def _case(gen, backend, query_lens, seq_lens, bs=8, heads=6, kv_heads=2, dim=16, num_blocks=64):
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for s in seq_lens:
         n = -(-s // bs)
         tables.append(perm[used:used + n])
         used += n
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs, "cpu", paged_decode=paged_decode)
+    meta = backend.build_metadata(query_lens, seq_lens, tables, bs, "cpu")
     t = sum(query_lens)
     q, k, v = (torch.randn(t, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
     (kc, vc), = allocate_kv_cache(1, num_blocks, bs, kv_heads, dim, torch.float32, "cpu")
@@ -37,7 +37,7 @@ def test_mixed_batches_match_reference_and_workspace_reuse_is_safe(paged_decode)
     ]
     kept = []
     for query_lens, seq_lens in cases:
-        meta, q, k, v, kc, vc = _case(gen, query_lens, seq_lens, paged_decode=paged_decode)
+        meta, q, k, v, kc, vc = _case(gen, backend, query_lens, seq_lens)
         decode_groups = [g for g in meta.groups if g.token_index is not None]
         assert (meta.decode is not None) == paged_decode and bool(decode_groups) != paged_decode
         if paged_decode:   # all-decode batches skip the row index
@@ -53,7 +53,7 @@ def test_mixed_batches_match_reference_and_workspace_reuse_is_safe(paged_decode)
         kept.append((out, out.clone()))
     for out, snapshot in kept:   # outputs are not views of the reused workspace
         assert torch.equal(out, snapshot)
-    decode_groups = [g for g in AttentionMetadata.build(
+    decode_groups = [g for g in TorchAttentionBackend(paged_decode=False).build_metadata(
         *cases[0], [list(range(i * 20, i * 20 + 20)) for i in range(7)], 8, "cpu").groups
         if g.token_index is not None]
     assert len(decode_groups) >= 2   # the first case really split decodes into padded groups

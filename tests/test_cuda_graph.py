@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from formwork.gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache  # noqa: E402
+from formwork.gpu.attention import AttentionMetadata, allocate_kv_cache  # noqa: E402
+from formwork.gpu.attention_torch import TorchAttentionBackend, TorchAttentionMetadata  # noqa: E402
 from formwork.gpu.attention_triton import TritonAttentionBackend  # noqa: E402
 from formwork.gpu.cuda_graph import (CudaGraphFactory, DecodeGraphRunner, capture_sizes,  # noqa: E402
                             padded_size, pick_graph_factory)
@@ -74,25 +75,29 @@ def test_padded_size(n, want):
 FAKE = RerunGraphs()
 
 
-@pytest.mark.parametrize("device, needs_groups, eager, override, want", [
-    ("cuda", False, False, None, CudaGraphFactory),
-    ("cuda", True, False, None, None),          # torch backend: host-built groups
-    ("cuda", False, True, None, None),          # enforce_eager
-    ("cpu", False, False, None, None),
-    ("cpu", False, False, FAKE, FAKE),
-    ("cpu", False, True, FAKE, None),
-    ("cpu", True, False, FAKE, None),
+TORCH, TRITON = TorchAttentionBackend(paged_decode=False), TritonAttentionBackend()
+
+
+@pytest.mark.parametrize("device, backend, eager, override, want", [
+    ("cuda", TRITON, False, None, CudaGraphFactory),
+    ("cuda", TORCH, False, None, None),         # torch backend: host-built groups
+    ("cuda", TRITON, True, None, None),         # enforce_eager
+    ("cpu", TRITON, False, None, None),
+    ("cpu", TRITON, False, FAKE, FAKE),
+    ("cpu", TRITON, True, FAKE, None),
+    ("cpu", TORCH, False, FAKE, None),
 ])
-def test_pick_graph_factory(device, needs_groups, eager, override, want):
-    got = pick_graph_factory(device, needs_groups, eager, override)
+def test_pick_graph_factory(device, backend, eager, override, want):
+    got = pick_graph_factory(device, backend, eager, override)
     assert got is want if not isinstance(want, type) else isinstance(got, want)
 
 
-def test_backends_declare_groups_and_build_can_skip_them():
-    assert TorchAttentionBackend.needs_groups and not TritonAttentionBackend.needs_groups
+def test_backends_build_their_own_metadata_over_the_same_common_fields():
+    assert TRITON.graph_capturable and not TORCH.graph_capturable
     args = ([1, 7, 1], [9, 7, 20], [[3, 1], [0], [2, 5, 4]], BS, "cpu")
-    full, flat = AttentionMetadata.build(*args), AttentionMetadata.build(*args, with_groups=False)
-    assert full.groups and flat.groups == []
+    full, flat = TORCH.build_metadata(*args), TRITON.build_metadata(*args)
+    assert isinstance(full, TorchAttentionMetadata) and full.groups
+    assert type(flat) is AttentionMetadata   # no host-built work split: capturable
     for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
         assert torch.equal(getattr(full, name), getattr(flat, name)), name
 
@@ -160,7 +165,7 @@ def test_graph_rows_match_eager_and_pad_rows_never_write(tiny_triton_model, kind
         ids = torch.randint(0, model.config.vocab_size, (len(seq_lens),), generator=gen)
         before = [(k.clone(), v.clone()) for k, v in caches]
         hidden = graphs.run(ids.tolist(), seq_lens, tables)
-        meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, BS, DEVICE, with_groups=False)
+        meta = model.attn_backend.build_metadata([1] * len(seq_lens), seq_lens, tables, BS, DEVICE)
         want = model(ids.to(DEVICE), (torch.tensor(seq_lens) - 1).to(DEVICE), eager_caches, meta)
         torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
         real = {t[(s - 1) // BS] * BS + (s - 1) % BS for s, t in zip(seq_lens, tables)}

@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from formwork.gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache  # noqa: E402
+from formwork.gpu.attention import allocate_kv_cache  # noqa: E402
+from formwork.gpu.attention_torch import TorchAttentionBackend  # noqa: E402
 from formwork.gpu.attention_triton import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,8 +27,6 @@ def test_backend_matches_torch_backend_on_built_metadata():
     heads, kv_heads, dim, bs = 6, 2, 16, 8
     query_lens, seq_lens = [1, 11, 5, 1], [19, 11, 21, 9]
     tables = [[3, 0, 7], [5, 1], [2, 8, 4], [6, -1]]
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs, DEVICE)
-    assert (meta.slot_mapping == -1).sum() == 1
     t = sum(query_lens)
     q, k, v = (torch.randn(t, h, dim, generator=gen).to(DEVICE)
                for h in (heads, kv_heads, kv_heads))
@@ -35,7 +34,9 @@ def test_backend_matches_torch_backend_on_built_metadata():
     k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
     v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
     results = []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+    for backend in (TorchAttentionBackend(paged_decode=False), TritonAttentionBackend()):
+        meta = backend.build_metadata(query_lens, seq_lens, tables, bs, DEVICE)
+        assert (meta.slot_mapping == -1).sum() == 1
         kc, vc = k_cache.clone(), v_cache.clone()
         out = backend.forward(q, k, v, kc, vc, meta, 0.25)
         results.append((out[:-1], kc, vc))
@@ -59,8 +60,8 @@ def _greedy(model, prompts, schedule, new_tokens, block_size=8):
     for step in steps:
         order = sorted(step)
         ends = [done[i] + step[i] for i in order]
-        meta = AttentionMetadata.build([step[i] for i in order], ends, [tables[i] for i in order],
-                                       block_size, DEVICE)
+        meta = model.attn_backend.build_metadata([step[i] for i in order], ends,
+                                                 [tables[i] for i in order], block_size, DEVICE)
         ids = torch.tensor([t for i, e in zip(order, ends) for t in tokens[i][done[i]:e]])
         pos = torch.cat([torch.arange(done[i], e) for i, e in zip(order, ends)])
         hidden = model(ids.to(DEVICE), pos.to(DEVICE), caches, meta)
@@ -79,13 +80,13 @@ def test_model_greedy_outputs_match_torch_backend(tiny_model_dir):
     second over cached blocks) batched with a decode, then batched decodes."""
     from formwork.gpu.loader import load_model
 
-    model = load_model(tiny_model_dir, dtype=torch.float32, device=torch.device(DEVICE))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (5, 23, 17)]
     schedule = [{0: 5, 1: 10}, {0: 1, 1: 13, 2: 17}]
     outputs = {}
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        model.attn_backend = backend
+    for backend in (TorchAttentionBackend(paged_decode=False), TritonAttentionBackend()):
+        model = load_model(tiny_model_dir, dtype=torch.float32, device=torch.device(DEVICE),
+                           attn_backend=backend)
         outputs[backend.name] = _greedy(model, prompts, schedule, new_tokens=4)
     assert [len(o) for o in outputs["torch"]] == [6, 5, 5]
     assert outputs["triton"] == outputs["torch"]

@@ -8,13 +8,21 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from formwork.gpu.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache
-from formwork.gpu.loader import load_model, load_tokenizer
+from formwork.gpu.attention import (AttentionMetadata, allocate_kv_cache, copy_kv_to_cache,
+                                    flatten_batch)
+from formwork.gpu.attention_torch import TorchAttentionBackend
+from formwork.gpu.loader import load_model
+from formwork.gpu.model_files import load_tokenizer
 from formwork.gpu.cpu_linear import pack_linears, packing_supported
 from formwork.gpu.model import CPU_FUSED_OPS, ModelConfig
 from formwork.kernels import cpu_fused_ops
 
 CPU = torch.device("cpu")
+
+
+def gather_sdpa() -> TorchAttentionBackend:
+    """Every decode through padded SDPA groups (a fresh workspace per use)."""
+    return TorchAttentionBackend(paged_decode=False)
 
 
 class PagedSeqs:
@@ -39,7 +47,8 @@ class PagedSeqs:
         order = sorted(chunks)
         qlens = [chunks[i] for i in order]
         slens = [self.done[i] + chunks[i] for i in order]
-        meta = AttentionMetadata.build(qlens, slens, [self.tables[i] for i in order], self.bs, CPU)
+        meta = self.model.attn_backend.build_metadata(qlens, slens, [self.tables[i] for i in order],
+                                                      self.bs, CPU)
         ids = torch.cat([self.seqs[i][self.done[i]:s] for i, s in zip(order, slens)])
         pos = torch.cat([torch.arange(self.done[i], s) for i, s in zip(order, slens)])
         logits = self.model.compute_logits(self.model(ids, pos, self.caches, meta))
@@ -54,7 +63,7 @@ class PagedSeqs:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    ours = load_model(tiny_model_dir, dtype=torch.float32, device=CPU)
+    ours = load_model(tiny_model_dir, dtype=torch.float32, device=CPU, attn_backend=gather_sdpa())
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     return ours, ref
 
@@ -128,12 +137,13 @@ def test_torch_backend_matches_naive_reference(heads, kv_heads):
     v_cache = torch.randn(nblocks, bs, kv_heads, d)
     t = sum(qlens)
     q, k, v = torch.randn(t, heads, d), torch.randn(t, kv_heads, d), torch.randn(t, kv_heads, d)
-    meta = AttentionMetadata.build(qlens, slens, tables, bs, CPU)
+    backend = gather_sdpa()
+    meta = backend.build_metadata(qlens, slens, tables, bs, CPU)
     assert len([g for g in meta.groups if g.token_index is not None]) >= 2
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
     expect_k.view(-1, kv_heads, d)[meta.slot_mapping] = k
     expect_v.view(-1, kv_heads, d)[meta.slot_mapping] = v
-    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale=d ** -0.5)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale=d ** -0.5)
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
     ref = _naive_paged_attention(q, k_cache, v_cache, qlens, slens, tables, bs, d ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -143,11 +153,10 @@ def test_slot_minus_one_rows_are_not_written():
     bs, kvh, d = 4, 2, 8
     k_cache, v_cache = torch.zeros(8, bs, kvh, d), torch.zeros(8, bs, kvh, d)
     # sequence 0: 6 new tokens, its second block id is negative -> positions 4, 5 unstored
-    meta = AttentionMetadata.build([6, 1], [6, 3], [[2, -1], [5]], bs, CPU)
+    meta = AttentionMetadata.from_flat(flatten_batch([6, 1], [6, 3], [[2, -1], [5]], bs), CPU)
     assert meta.slot_mapping.tolist() == [8, 9, 10, 11, -1, -1, 22]
     k = torch.arange(1, 8, dtype=torch.float32)[:, None, None].expand(7, kvh, d).contiguous()
-    from formwork.gpu.attention import store_kv
-    store_kv(k, k.clone(), k_cache, v_cache, meta)
+    copy_kv_to_cache(k, k.clone(), k_cache, v_cache, meta)
     written = k_cache.view(-1, kvh, d)[:, 0, 0]
     assert written.nonzero().flatten().tolist() == [8, 9, 10, 11, 22]
     assert written[[8, 9, 10, 11, 22]].tolist() == [1, 2, 3, 4, 7]
@@ -155,7 +164,7 @@ def test_slot_minus_one_rows_are_not_written():
 
 
 def test_metadata_fields():
-    meta = AttentionMetadata.build([3, 1, 2], [3, 9, 6], [[4], [7, 1, 0], [2, 6]], 4, CPU)
+    meta = AttentionMetadata.from_flat(flatten_batch([3, 1, 2], [3, 9, 6], [[4], [7, 1, 0], [2, 6]], 4), CPU)
     assert meta.query_start_loc.tolist() == [0, 3, 4, 6]
     assert meta.seq_lens.tolist() == [3, 9, 6]
     assert meta.block_table.dtype == torch.int32 and meta.block_table.shape == (3, 3)
@@ -177,7 +186,7 @@ PROMPTS = ["Hi", "What is the capital of France? Answer in one word.",
 
 @pytest.mark.slow
 def test_real_model_fp32_matches_hf(default_model_dir):
-    ours = load_model(default_model_dir, dtype=torch.float32, device=CPU)
+    ours = load_model(default_model_dir, dtype=torch.float32, device=CPU, attn_backend=gather_sdpa())
     ref = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     tok = load_tokenizer(default_model_dir)
     seqs = [_chat_ids(tok, p) for p in PROMPTS]
@@ -197,11 +206,12 @@ def test_real_model_fp32_matches_hf(default_model_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("cpu_fast_path", [False, True], ids=["torch-ops", "packed+fused"])
 def test_real_model_bf16_smoke(default_model_dir, cpu_fast_path):
-    ours = load_model(default_model_dir, dtype=torch.bfloat16, device=CPU)
-    if cpu_fast_path:   # what the executor does on a bf16 CPU (gpu/cpu_linear.py, kernels/cpu_fused_ops.py)
-        assert packing_supported(torch.bfloat16, CPU) and cpu_fused_ops.available()
+    # cpu_fast_path: what the executor does on a bf16 CPU (gpu/cpu_linear.py, kernels/cpu_fused_ops.py)
+    assert not cpu_fast_path or (packing_supported(torch.bfloat16, CPU) and cpu_fused_ops.available())
+    ours = load_model(default_model_dir, dtype=torch.bfloat16, device=CPU, attn_backend=gather_sdpa(),
+                      ops=CPU_FUSED_OPS if cpu_fast_path else None)
+    if cpu_fast_path:
         assert pack_linears(ours) == 4 * ours.config.num_hidden_layers + 1
-        ours.ops = CPU_FUSED_OPS
     ref = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16).eval()
     tok = load_tokenizer(default_model_dir)
     seqs = [_chat_ids(tok, p) for p in (PROMPTS[0], PROMPTS[3])]  # bf16 is slow on AVX2-only CPUs
