@@ -45,8 +45,9 @@ from formwork.gateway.shutdown import DrainingServer, drain, exit_for_supervisor
 from formwork.gateway.tokenizer_pool import TokenizerPool
 from formwork.gpu.model_files import DEFAULT_MODEL, load_model_tokenizer
 from formwork.schemas.config import EngineConfig
-from formwork.schemas.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
-                            ModelList)
+from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
+from formwork.schemas.openai_base import ModelCard, ModelList
+from formwork.schemas.openai_tokenize import DetokenizeRequest
 from formwork.schemas.responses import ResponsesRequest
 
 log = logging.getLogger("formwork.gateway")

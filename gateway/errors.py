@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from formwork.gateway.openapi_doc import document_request_bodies
 from formwork.schemas.errors import ParamError, param_of
-from formwork.schemas.openai import ErrorInfo, ErrorResponse, InvalidBodyError
+from formwork.schemas.openai_base import ErrorInfo, ErrorResponse, InvalidBodyError
 
 log = logging.getLogger("formwork.gateway")
 

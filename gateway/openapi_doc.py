@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
-from formwork.schemas.openai import TokenizeChatRequest, TokenizeCompletionRequest
+from formwork.schemas.openai_tokenize import TokenizeChatRequest, TokenizeCompletionRequest
 
 UNION_BODIES = {("/tokenize", "post"): (TokenizeCompletionRequest, TokenizeChatRequest)}
 

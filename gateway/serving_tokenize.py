@@ -20,8 +20,9 @@ from formwork.gateway.chat import build_chat_prompt
 from formwork.gateway.errors import bad_request
 from formwork.gateway.serving import ServerState
 from formwork.gateway.tools import resolve_tool_mode
-from formwork.schemas.openai import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
-                            TokenizeCompletionRequest, TokenizeResponse)
+from formwork.schemas.openai_tokenize import (DetokenizeRequest, DetokenizeResponse,
+                                              TokenizeChatRequest, TokenizeCompletionRequest,
+                                              TokenizeResponse)
 
 
 def parse_tokenize_request(body: dict[str, Any]) -> TokenizeChatRequest | TokenizeCompletionRequest:

@@ -9,7 +9,8 @@ import json
 import re
 
 from formwork.gateway.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolMode
-from formwork.schemas.openai import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall, random_id
+from formwork.schemas.openai import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from formwork.schemas.openai_base import random_id
 
 _CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 

@@ -1,4 +1,5 @@
-"""Pydantic models of the OpenAI HTTP protocol (chat, completions, models, errors).
+"""Pydantic models of the OpenAI HTTP protocol: chat and completions (the shared
+base, model cards and errors: schemas/openai_base.py; /tokenize: openai_tokenize.py).
 
 Requests ignore unknown fields, as OpenAI does. Fields beyond OpenAI's follow
 vLLM's names: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids,
@@ -9,71 +10,20 @@ describes the wire format.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import Field, model_serializer
 
-from formwork.schemas.errors import ParamError
+from formwork.schemas.openai_base import RequestModel, ResponseModel, random_id
 from formwork.schemas.sampling import MAX_N
-
-# Deeper request bodies are refused before any validation: no real request comes
-# near it (a JSON schema nested 60 levels is still < 128), and recursive walkers
-# after parsing (validation, schema compilers) would hit Python's recursion limit.
-MAX_BODY_DEPTH = 128
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
-
-
-class InvalidBodyError(ValueError):
-    """The body as a whole cannot be taken (not a field's value): 400 invalid_json."""
-
-
-def _check_body(value: Any, path: str = "", depth: int = 0) -> None:
-    """Refuses a body nested deeper than MAX_BODY_DEPTH and strings with a lone
-    surrogate (JSON's "\\ud800" decodes to a str no tokenizer or encoder takes)."""
-    if isinstance(value, str):
-        if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
-            raise ParamError(path or "body",
-                                  "contains a lone UTF-16 surrogate (not valid Unicode text)")
-        return
-    if isinstance(value, (dict, list)) and depth >= MAX_BODY_DEPTH:
-        field = path.split(".")[0].split("[")[0]
-        raise InvalidBodyError(f"the body is nested more than {MAX_BODY_DEPTH} levels deep "
-                               f"(in `{field}`)")
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _check_body(k, path, depth + 1)
-            _check_body(v, f"{path}.{k}" if path else str(k), depth + 1)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_body(v, f"{path}[{i}]", depth + 1)
-
-
-class _Request(BaseModel):
-    # allow_inf_nan=False: NaN / Infinity are not numbers any parameter accepts
-    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_is_unicode(cls, data: Any) -> Any:
-        _check_body(data)
-        return data
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
 
 # ---- request pieces -------------------------------------------------------------
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
-class JsonSchemaSpec(_Request):
+class JsonSchemaSpec(RequestModel):
     name: str = "response"
     description: str | None = None
     # "schema" shadows a BaseModel attribute in pydantic, hence the alias.
@@ -81,44 +31,44 @@ class JsonSchemaSpec(_Request):
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
 
 
-class FunctionDefinition(_Request):
+class FunctionDefinition(RequestModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatCompletionTool(_Request):
+class ChatCompletionTool(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(_Request):
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class FunctionCall(_Response):
+class FunctionCall(ResponseModel):
     name: str
     arguments: str
 
 
-class ToolCall(_Response):
+class ToolCall(ResponseModel):
     id: str = Field(default_factory=lambda: random_id("call_"))
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     """`role: "function"` and an assistant's `function_call` are OpenAI's legacy
     spellings of a tool result and a tool call (rendered as those)."""
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -129,7 +79,7 @@ class ChatMessage(_Request):
     function_call: FunctionCall | None = None
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(RequestModel):
     """Fields shared by chat and completions requests."""
     model: str | None = None
     n: int = Field(default=1, json_schema_extra={"minimum": 1, "maximum": MAX_N})
@@ -198,14 +148,14 @@ class CompletionRequest(_SamplingFields):
 
 # ---- responses ------------------------------------------------------------------
 
-class UsageInfo(_Response):
+class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
 
 
-class TopLogprob(_Response):
+class TopLogprob(ResponseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
@@ -215,12 +165,12 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = []
 
 
-class ChoiceLogprobs(_Response):
+class ChoiceLogprobs(ResponseModel):
     content: list[TokenLogprob] | None = None
     refusal: list[TokenLogprob] | None = None
 
 
-class ResponseMessage(_Response):
+class ResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
@@ -234,7 +184,7 @@ class ResponseMessage(_Response):
         return data
 
 
-class PromptLogprob(_Response):
+class PromptLogprob(ResponseModel):
     """vLLM's prompt_logprobs entry; the response maps token id -> this, per prompt position."""
     logprob: float
     rank: int | None = None
@@ -244,14 +194,14 @@ class PromptLogprob(_Response):
 PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
 
 
-class OutputCheck(_Response):
+class OutputCheck(ResponseModel):
     """formwork's extension field of a constrained choice (gateway/output_check.py):
     valid true / false (error says why) / null (the constraint was not re-checked)."""
     valid: bool | None
     error: str | None = None
 
 
-class ChatChoice(_Response):
+class ChatChoice(ResponseModel):
     index: int
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
@@ -260,7 +210,7 @@ class ChatChoice(_Response):
     formwork: OutputCheck | None = None        # left out of the JSON when None
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(ResponseModel):
     id: str = Field(default_factory=lambda: random_id("chatcmpl-"))
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -271,25 +221,25 @@ class ChatCompletionResponse(_Response):
     prompt_logprobs: PromptLogprobsField = None
 
 
-class DeltaFunctionCall(_Response):
+class DeltaFunctionCall(ResponseModel):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(_Response):
+class DeltaToolCall(ResponseModel):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall | None = None
 
 
-class DeltaMessage(_Response):
+class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatStreamChoice(_Response):
+class ChatStreamChoice(ResponseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
@@ -297,7 +247,7 @@ class ChatStreamChoice(_Response):
     formwork: OutputCheck | None = None        # on the finish chunk of a constrained choice
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(ResponseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -307,14 +257,14 @@ class ChatCompletionChunk(_Response):
     system_fingerprint: str | None = None
 
 
-class CompletionLogprobs(_Response):
+class CompletionLogprobs(ResponseModel):
     text_offset: list[int] = []
     token_logprobs: list[float | None] = []
     tokens: list[str] = []
     top_logprobs: list[dict[str, float] | None] = []
 
 
-class CompletionChoice(_Response):
+class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -324,7 +274,7 @@ class CompletionChoice(_Response):
     formwork: OutputCheck | None = None        # left out of the JSON when None
 
 
-class CompletionResponse(_Response):
+class CompletionResponse(ResponseModel):
     id: str = Field(default_factory=lambda: random_id("cmpl-"))
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -332,68 +282,3 @@ class CompletionResponse(_Response):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "formwork"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(_Response):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(_Response):
-    error: ErrorInfo
-
-
-# ---- tokenizer endpoints (vLLM's /tokenize and /detokenize) --------------------
-
-class TokenizeCompletionRequest(_Request):
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool | None = False
-
-
-class TokenizeChatRequest(_Request):
-    """The prompt a chat completion with the same messages (and tools) would get."""
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    return_token_strs: bool | None = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatCompletionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-
-
-class TokenizeResponse(_Response):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(_Request):
-    model: str | None = None
-    # documented bounds; the vocabulary's upper one is checked by the server (the message names it)
-    tokens: list[int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
-
-
-class DetokenizeResponse(_Response):
-    prompt: str

@@ -12,10 +12,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from formwork.schemas.openai import _Request, _Response, random_id
+from formwork.schemas.openai_base import RequestModel, ResponseModel, random_id
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(RequestModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -48,14 +48,14 @@ UNSUPPORTED_FIELDS = {"reasoning": None, "background": (None, False), "conversat
                       "top_logprobs": (None, 0), "truncation": (None, "disabled")}
 
 
-class OutputText(_Response):
+class OutputText(ResponseModel):
     type: Literal["output_text"] = "output_text"
     text: str = ""
     annotations: list[Any] = []
     logprobs: list[Any] = []
 
 
-class OutputMessage(_Response):
+class OutputMessage(ResponseModel):
     id: str = Field(default_factory=lambda: random_id("msg_"))
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
@@ -63,7 +63,7 @@ class OutputMessage(_Response):
     content: list[OutputText] = []
 
 
-class FunctionCallItem(_Response):
+class FunctionCallItem(ResponseModel):
     id: str = Field(default_factory=lambda: random_id("fc_"))
     type: Literal["function_call"] = "function_call"
     call_id: str = Field(default_factory=lambda: random_id("call_"))
@@ -75,7 +75,7 @@ class FunctionCallItem(_Response):
 OutputItem = OutputMessage | FunctionCallItem
 
 
-class ResponseUsage(_Response):
+class ResponseUsage(ResponseModel):
     input_tokens: int = 0
     input_tokens_details: dict[str, int] = {"cached_tokens": 0}
     output_tokens: int = 0
@@ -83,11 +83,11 @@ class ResponseUsage(_Response):
     total_tokens: int = 0
 
 
-class IncompleteDetails(_Response):
+class IncompleteDetails(ResponseModel):
     reason: Literal["max_output_tokens", "content_filter"]
 
 
-class ResponseObject(_Response):
+class ResponseObject(ResponseModel):
     id: str = Field(default_factory=lambda: random_id("resp_"))
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
