@@ -20,6 +20,9 @@ from formwork.core.prompt_check import check_prompt
 from formwork.core.request import Request, RequestStatus
 from formwork.core.scheduler import Scheduler
 from formwork.core.step_hooks import StepHooks
+from formwork.gpu.executor import Executor
+from formwork.gpu.model_files import load_tokenizer, resolve_model
+from formwork.grammar.manager import GrammarStats, StructuredOutputManager
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.sampling import check_token_ids
 from formwork.schemas.engine import EngineCoreOutputs, EngineCoreRequest, EngineStats
@@ -29,7 +32,6 @@ log = logging.getLogger("formwork.engine")
 
 
 def _make_grammar_manager(config: EngineConfig, tokenizer, vocab_size: int):
-    from formwork.grammar.manager import StructuredOutputManager
     return StructuredOutputManager(
         tokenizer, vocab_size,
         default_backend=config.structured_backend,
@@ -43,12 +45,10 @@ def _make_grammar_manager(config: EngineConfig, tokenizer, vocab_size: int):
 class EngineCore:
     def __init__(self, config: EngineConfig, *, executor=None, tokenizer=None,
                  structured_manager=None, hooks: StepHooks | None = None):
-        from formwork.gpu.model_files import load_tokenizer, resolve_model
         self.config = config
         model_dir = resolve_model(config.model) if executor is None or tokenizer is None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         if executor is None:
-            from formwork.gpu.executor import Executor
             executor = Executor(config, model_dir)
         self.executor = executor
         info = executor.info
@@ -215,7 +215,7 @@ class EngineCore:
 
     def get_stats(self) -> EngineStats:
         s, kv = self.scheduler, self.kv_manager
-        g = self.structured.stats() if self.structured is not None else {}
+        g = self.structured.stats() if self.structured is not None else GrammarStats()
         governor = getattr(self.executor, "governor", None)
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting,
@@ -224,8 +224,8 @@ class EngineCore:
             kv_cached_blocks=kv.num_cached_blocks,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
-            grammar_compiles=int(g.get("compiles", 0)), grammar_cache_hits=int(g.get("cache_hits", 0)),
-            grammar_compile_seconds=float(g.get("compile_seconds", 0.0)),
+            grammar_compiles=g.compiles, grammar_cache_hits=g.cache_hits,
+            grammar_compile_seconds=g.compile_seconds,
             bitmask_seconds=self.bitmask_seconds, steps=self.steps,
             forward_threads=governor.threads if governor is not None else 0,
             thread_resizes=governor.resizes if governor is not None else 0,

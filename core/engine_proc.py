@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from formwork.gpu.child_process import die_with_parent, main_module_not_reimported
+from formwork.gpu.cpu_threads import engine_env
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.errors import param_of
 from formwork.schemas.engine import (UTILITY_RESULTS, EngineCoreAbort, EngineCoreOutput,
@@ -183,8 +184,6 @@ def start_engine_process(config: EngineConfig, input_addr: str,
     still dies with its parent (PR_SET_PDEATHSIG, parent checks), and an atexit
     hook ends it so the interpreter's exit never waits on a live engine.
     """
-    from formwork.gpu.cpu_threads import engine_env
-
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(target=run_engine_core, name="EngineCore", daemon=False,
                        args=(config, input_addr, output_addr, os.getpid(),
@@ -227,6 +226,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     encoder = msgspec.msgpack.Encoder()
     core = None
     try:
+        # here, in the engine process: the gateway that imports this module stays torch-free
         from formwork.core.engine_core import EngineCore
         core = EngineCore(config)
         out_sock.send(encoder.encode(EngineCoreOutputs(

@@ -1,11 +1,9 @@
 """Seams the Scheduler depends on, as Protocols (implemented in grammar/)."""
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Protocol
 
-from formwork.schemas.structured import StructuredOutputsParams
-
-GrammarStatus = Literal["pending", "ready", "failed"]
+from formwork.schemas.structured import GrammarStatus, StructuredOutputsParams
 
 
 class StructuredOutputManagerProtocol(Protocol):

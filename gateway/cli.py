@@ -37,7 +37,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from formwork.gateway.api_server import run_server
+    from formwork.gateway.api_server import run_server   # the server: only when it runs
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -54,6 +54,7 @@ class LLM:
         if step_hooks is not None and engine_process:
             raise ValueError("step_hooks: observe an engine in this process only; "
                              "pass engine_process=False")
+        # each path imports only its own engine (in-process: torch and the executor here)
         if engine_process:
             from formwork.gateway.engine_factory import make_engine_process
             self.engine, self._release = make_engine_process(self.config)

@@ -12,8 +12,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,16 +25,13 @@ from formwork.grammar.outlines_backend import OutlinesBackend
 from formwork.grammar.selection import choose_backend
 from formwork.grammar.vocab import TokenVocab
 from formwork.grammar.xgrammar_backend import XGrammarBackend
-from formwork.schemas.structured import StructuredOutputsParams
-
-Status = Literal["pending", "ready", "failed"]
-
+from formwork.schemas.structured import GrammarStatus, StructuredOutputsParams
 
 @dataclass(slots=True)
 class _RequestGrammar:
     future: Future | None
     submitted_at: float
-    status: Status = "pending"
+    status: GrammarStatus = "pending"
     error: str = ""
     matcher: Matcher | None = None
     backend: GrammarBackend | None = None
@@ -43,7 +39,9 @@ class _RequestGrammar:
 
 
 @dataclass(slots=True)
-class _Stats:
+class GrammarStats:
+    """Counts since start-up; `stats()` hands out a copy (the engine's EngineStats
+    carries some of them across the process boundary)."""
     compiles: int = 0
     compile_failures: int = 0
     cache_hits: int = 0
@@ -54,6 +52,7 @@ class _Stats:
     jump_forward_tokens: int = 0
     budget_steered_steps: int = 0
     by_backend: dict[str, int] = field(default_factory=dict)
+    cache_size: int = 0
 
 
 def build_backend(name: str, vocab: TokenVocab, tokenizer, *, num_threads: int = 2,
@@ -89,7 +88,7 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()   # guards _backends
         self._cache: OrderedDict[str, tuple[CompiledGrammar, GrammarBackend]] = OrderedDict()
         self._inflight: dict[str, Future] = {}
-        self._stats = _Stats()
+        self._stats = GrammarStats()
         self._requests: dict[str, _RequestGrammar] = {}
         self._bitmask = allocate_bitmask(8, vocab_size)   # [rows, words], grown on demand
         self._budget_aware = budget_aware     # default for JSON-schema requests
@@ -181,7 +180,7 @@ class StructuredOutputManager:
                    backend: GrammarBackend) -> None:
         entry.status, entry.backend, entry.matcher = "ready", backend, compiled.new_matcher()
 
-    def status(self, request_id: str) -> Status:
+    def status(self, request_id: str) -> GrammarStatus:
         """"pending" until compiled; "failed" on error or after compile_timeout_s."""
         entry = self._requests[request_id]
         if entry.status != "pending":
@@ -275,15 +274,10 @@ class StructuredOutputManager:
                     self._closing.steer(entry.budget, self._matcher(rid), out, row):
                 self._stats.budget_steered_steps += 1
 
-    def stats(self) -> dict:
+    def stats(self) -> GrammarStats:
         with self._lock:
-            s = self._stats
-            return {"compiles": s.compiles, "compile_failures": s.compile_failures,
-                    "cache_hits": s.cache_hits, "inflight_shared": s.inflight_shared,
-                    "compile_seconds": s.compile_seconds, "fill_calls": s.fill_calls,
-                    "fill_seconds": s.fill_seconds, "jump_forward_tokens": s.jump_forward_tokens,
-                    "budget_steered_steps": s.budget_steered_steps,
-                    "by_backend": dict(s.by_backend), "cache_size": len(self._cache)}
+            return replace(self._stats, by_backend=dict(self._stats.by_backend),
+                           cache_size=len(self._cache))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -12,6 +12,8 @@ from formwork.schemas.errors import ParamError
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # "guidance" is vLLM's name for llguidance.
 BACKENDS = ("auto", "llguidance", "xgrammar", "outlines", "guidance")
+# where a request's grammar is: compiling, ready to constrain, or refused
+GrammarStatus = Literal["pending", "ready", "failed"]
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):

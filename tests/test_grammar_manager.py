@@ -67,8 +67,8 @@ def test_submit_does_not_block_and_shares_inflight_and_cached_compiles(manager, 
     manager.submit("c", P(json=SCHEMA))               # cached: ready at once
     assert manager.status("c") == "ready"
     stats = manager.stats()
-    assert slow.calls == 1 and stats["compiles"] == 1
-    assert stats["inflight_shared"] == 1 and stats["cache_hits"] == 1
+    assert slow.calls == 1 and stats.compiles == 1
+    assert stats.inflight_shared == 1 and stats.cache_hits == 1
     for rid in "abc":                                 # separate matchers per request
         assert manager.accept_tokens(rid, ids(manager._tokenizer, '{"n":' + str(ord(rid))))
     assert manager._requests["a"].matcher is not manager._requests["b"].matcher
@@ -107,7 +107,7 @@ def test_auto_takes_the_first_backend_that_enforces_the_constraint(manager, toke
     manager.submit("j", P(json={"type": "string", "pattern": "^a+$"}))  # xgrammar: loose
     for rid in "pxj":
         assert wait(manager, rid) == "ready", manager.error(rid)
-    assert manager.stats()["by_backend"] == {"llguidance": 2, "xgrammar": 1}
+    assert manager.stats().by_backend == {"llguidance": 2, "xgrammar": 1}
     assert manager.accept_tokens("p", ids(tokenizer, "h\u00e9llo"))
     assert not manager.accept_tokens("p", ids(tokenizer, "3"))
 
