@@ -1,6 +1,6 @@
 """Client libraries people use, unmodified, against one real `formwork serve`
 (issue 14): the openai SDK's parse helpers, instructor, langchain-openai,
-pydantic-ai, openai-agents (its Chat Completions model) and litellm.
+pydantic-ai, openai-agents (its Chat Completions and Responses models) and litellm.
 
 Every structured result goes back through the library's own parsing and is
 validated again here. Schemas are nested pydantic models (a nested model and
@@ -152,14 +152,17 @@ def test_pydantic_ai_agent_tool_output(base_url, model):
     assert_pet(agent.run_sync(ASK).output)
 
 
-# ---- openai-agents (Chat Completions model; its Responses model: tests/test_responses.py) --
+# ---- openai-agents: its Chat Completions model and its default, the Responses model ------
 
-def test_openai_agents_function_tool_and_output_type(base_url, model):
-    """An agent with a function tool and an output_type sends both tools and
-    response_format: tool_choice auto lets the model answer in the format (greedy
-    SmolLM2 does here), "required" makes it call the tool."""
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
-                        set_tracing_disabled)
+@pytest.mark.parametrize("api, ask", [("chat", ASK),
+                                      ("responses", "Alice has a dog named Rex. As JSON.")])
+def test_openai_agents_function_tool_and_output_type(base_url, model, api, ask):
+    """An agent with a function tool and an output_type sends both tools and the
+    format (chat: response_format; responses: text.format): tool_choice auto lets
+    the model answer in the format (greedy SmolLM2 does here, for each API's
+    prompt), "required" makes it call the tool, round-tripped by the agent."""
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
+                        Runner, function_tool, set_tracing_disabled)
     set_tracing_disabled(True)
     calls = []
 
@@ -169,7 +172,8 @@ def test_openai_agents_function_tool_and_output_type(base_url, model):
         calls.append(city)
         return "sunny"
 
-    llm = OpenAIChatCompletionsModel(model=model, openai_client=openai.AsyncOpenAI(
+    model_cls = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
+    llm = model_cls(model=model, openai_client=openai.AsyncOpenAI(
         base_url=base_url, api_key=KEY, max_retries=0, timeout=300))
 
     def agent(**settings) -> Agent:
@@ -177,7 +181,7 @@ def test_openai_agents_function_tool_and_output_type(base_url, model):
                      model_settings=ModelSettings(temperature=0, max_tokens=MAX_TOKENS, **settings),
                      tool_use_behavior="stop_on_first_tool")
     async def both():
-        answered = await Runner.run(agent(), ASK, max_turns=2)
+        answered = await Runner.run(agent(), ask, max_turns=2)
         assert not calls
         called = await Runner.run(agent(tool_choice="required"), "Weather in Paris?", max_turns=2)
         return answered, called

@@ -456,38 +456,3 @@ def test_unsupported_is_400(client, model, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=model, input="hi", max_output_tokens=4, **fields)
     assert e.value.param == param
-
-
-@slow
-def test_openai_agents_responses_model(client, model):
-    """openai-agents' default model speaks the Responses API: an output_type (text.format)
-    and a function tool under tool_choice required, round-tripped by the agent."""
-    import asyncio
-
-    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
-                        set_tracing_disabled)
-    set_tracing_disabled(True)
-    calls = []
-
-    @function_tool
-    def city_weather(city: str) -> str:
-        """The current weather in a city."""
-        calls.append(city)
-        return "sunny"
-
-    llm = OpenAIResponsesModel(model=model, openai_client=openai.AsyncOpenAI(
-        base_url=str(client.base_url), api_key=client.api_key, max_retries=0, timeout=300))
-
-    def agent(**settings) -> Agent:
-        return Agent(name="pets", model=llm, tools=[city_weather], output_type=Pet,
-                     tool_use_behavior="stop_on_first_tool", model_settings=ModelSettings(
-                         temperature=0, max_tokens=MAX_TOKENS, **settings))
-
-    async def both():
-        answered = await Runner.run(agent(), "Alice has a dog named Rex. As JSON.", max_turns=2)
-        assert not calls
-        called = await Runner.run(agent(tool_choice="required"), "Weather in Paris?", max_turns=2)
-        return answered, called
-    answered, called = asyncio.run(both())
-    assert isinstance(answered.final_output, Pet)
-    assert called.final_output == "sunny" and calls and all(isinstance(c, str) for c in calls)
