@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import typing
 
-from formwork.schemas.config import DTYPES, EngineConfig
+from formwork.schemas.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
 
 COMMAND_FIELDS = frozenset({"model"})
 
@@ -31,8 +31,8 @@ class Flag:
 
 FLAGS: dict[str, Flag] = {
     "dtype": Flag(choices=DTYPES),
-    "device": Flag(choices=("auto", "cpu", "cuda")),
-    "attention_backend": Flag(choices=("auto", "torch", "triton")),
+    "device": Flag(choices=DEVICES),
+    "attention_backend": Flag(choices=ATTENTION_BACKENDS),
     "max_model_len": Flag(help="context length (default: the model's max positions)"),
     "num_kv_blocks": Flag(help="KV cache blocks (default: from --kv-cache-memory-gb / GPU memory)"),
     "kv_cache_memory_gb": Flag(help="CPU: memory given to the paged KV cache"),

@@ -9,13 +9,12 @@ import torch
 
 from formwork.gpu.attention import AttentionBackend
 from formwork.gpu.attention_torch import TorchAttentionBackend
-
-BACKENDS = ("auto", "torch", "triton")
+from formwork.schemas.config import ATTENTION_BACKENDS
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
     """"auto" -> "triton" on CUDA, "torch" elsewhere; other names are checked and kept."""
-    if name not in BACKENDS:
+    if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {name!r}: expected 'auto', 'torch' or 'triton'")
     if name == "auto":
         return "triton" if torch.device(device).type == "cuda" else "torch"

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")   # "auto": gpu/attention_select.py
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,9 +51,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
+        if self.device not in DEVICES:
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError("logprobs_mode: must be raw_logprobs or processed_logprobs, "
