@@ -306,10 +306,10 @@ def test_min_tokens_beyond_any_choice_is_refused_before_queueing():
 
 
 def test_get_model_by_id():
-    from formwork.gateway.api_server import _add_routes
+    from formwork.gateway.routes import router
     app = FastAPI()
     install_error_handlers(app)
-    _add_routes(app)
+    app.include_router(router)
     from formwork.gateway.serving import ServerState
     app.state.server = ServerState(engine=SimpleNamespace(config=SimpleNamespace(model=None)),
                                    tokenizer=None, served_model_names=("m1", "org/m2"),
