@@ -21,13 +21,14 @@ from formwork.gateway.params import (chat_logprobs, chat_max_tokens, context_max
                             validate_constraint)
 from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
-from formwork.gateway.serving_completion import prompt_logprobs_field
+from formwork.gateway.completion_logprobs import prompt_logprobs_field
 from formwork.gateway.tool_parser import ToolStreamParser, finish_reason_with_tools, parse_tool_output
 from formwork.gateway.tools import ToolMode, resolve_tool_mode
 from formwork.schemas.engine import TokenLogprobs
 from formwork.schemas.openai import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                             ChatCompletionResponse, ChatStreamChoice, ChoiceLogprobs, DeltaMessage,
-                            ResponseMessage, TokenLogprob, TopLogprob, UsageInfo, random_id)
+                            ResponseMessage, TokenLogprob, TopLogprob, UsageInfo)
+from formwork.schemas.openai_base import random_id
 from formwork.schemas.sampling import SamplingParams
 
 

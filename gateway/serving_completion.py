@@ -17,18 +17,19 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from formwork.gateway.completion_logprobs import (completion_logprobs, echo_logprobs,
+                                                  prompt_logprobs_field)
 from formwork.gateway.errors import APIError, bad_request
 from formwork.gateway.limits import check_text_fits
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_check import check_output, drop_unset
-from formwork.gateway.output_processor import CompletionOutput, PromptLogprobsList, RequestOutput
+from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.params import (context_max_tokens, explicit_prompt_logprobs, sampling_params,
                             structured_from_request, validate_constraint)
 from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
-from formwork.schemas.engine import TokenLogprobs
-from formwork.schemas.openai import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                            CompletionResponse, PromptLogprob, UsageInfo, random_id)
+from formwork.schemas.openai import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from formwork.schemas.openai_base import random_id
 from formwork.schemas.sampling import MAX_N, SamplingParams
 
 
@@ -104,51 +105,6 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
         params = [p.clone(n=best_of) for p in params]
     return PreparedCompletion(model, prompts, params, source, req.n, best_of, req.echo,
                               req.logprobs, shown_plp is not None)
-
-
-def _clamp(logprob: float) -> float:
-    return max(logprob, -9999.0)          # -inf is not JSON (as vLLM)
-
-
-def completion_logprobs(lps: list[TokenLogprobs] | None, text: TokenText, offset: int,
-                        out: CompletionLogprobs | None = None) -> CompletionLogprobs | None:
-    """Appends the generated tokens' logprobs (text offsets from `offset`) to `out`."""
-    if lps is None:
-        return out
-    out = out if out is not None else CompletionLogprobs()
-    for lp in lps:
-        token = text(lp.chosen.token_id)
-        out.tokens.append(token)
-        out.token_logprobs.append(lp.chosen.logprob)
-        out.top_logprobs.append({text(a.token_id): a.logprob for a in lp.top} or None)
-        out.text_offset.append(offset)
-        offset += len(token)
-    return out
-
-
-def echo_logprobs(ids: list[int], plps: PromptLogprobsList | None,
-                  text: TokenText) -> CompletionLogprobs:
-    """The prompt tokens as legacy completion logprobs: the first one (and any position
-    not scored) has null logprob; top_logprobs holds the prompt token and the top-k."""
-    out, offset = CompletionLogprobs(), 0
-    for tid, d in zip(ids, plps or [None] * len(ids)):
-        token = text(tid)
-        out.tokens.append(token)
-        out.text_offset.append(offset)
-        offset += len(token)
-        out.token_logprobs.append(_clamp(d[tid].logprob) if d else None)
-        out.top_logprobs.append({text(t): _clamp(lp.logprob) for t, lp in d.items()} if d else None)
-    return out
-
-
-def prompt_logprobs_field(plps: PromptLogprobsList | None):
-    """The engine's prompt logprobs as vLLM's response field (token id -> entry)."""
-    if plps is None:
-        return None
-    return [None if d is None else
-            {t: PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
-                              decoded_token=lp.decoded_token) for t, lp in d.items()}
-            for d in plps]
 
 
 def _usage(prep: PreparedCompletion, finals: list[RequestOutput]) -> UsageInfo:
@@ -250,12 +206,44 @@ async def _merged(state: ServerState, prep: PreparedCompletion,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class _ChoiceDeltas:
+    """Per streamed choice: the text sent so far (logprob offsets) and whether the
+    prompt was echoed; turns one engine output into its chunk's choice."""
+
+    def __init__(self, state: ServerState, prep: PreparedCompletion, echo: bool):
+        self.state, self.prep, self.echo = state, prep, echo
+        self.text = TokenText(state.tokenizer)
+        self.echoed: set[int] = set()
+        self.offsets: dict[int, int] = {}
+
+    def choice(self, i: int, ro: RequestOutput, c) -> dict | None:
+        """The choice for output `c` of prompt `i`, or None when there is nothing to send."""
+        prep, idx = self.prep, i * self.prep.n + c.index
+        delta, head, start = c.delta_text, None, self.offsets.get(idx, 0)
+        if self.echo and idx not in self.echoed:
+            self.echoed.add(idx)
+            prompt_text, prompt_ids = prep.prompts[i]
+            delta = (prompt_text or "") + delta
+            start += len(prompt_text or "")
+            if prep.logprobs is not None:
+                head = echo_logprobs(prompt_ids, ro.prompt_logprobs, self.text)
+        if not delta and c.finish_reason is None and not c.delta_token_ids:
+            return None
+        lp = completion_logprobs(c.delta_logprobs, self.text, start, head)
+        self.offsets[idx] = self.offsets.get(idx, 0) + len(delta)
+        choice = {"index": idx, "text": delta,
+                  "logprobs": lp.model_dump(mode="json") if lp else None,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if c.finish_reason is not None and \
+                (check := _verdict_field(prep, i, c, self.state.metrics)) is not None:
+            choice["formwork"] = check.model_dump(mode="json")
+        return choice
+
+
 async def _stream(state: ServerState, prep: PreparedCompletion, request_id: str, echo: bool,
                   include_usage: bool) -> AsyncIterator[str]:
-    created, n, text = int(time.time()), prep.n, TokenText(state.tokenizer)
+    created, deltas = int(time.time()), _ChoiceDeltas(state, prep, echo)
     finals: dict[int, RequestOutput] = {}
-    echoed: set[int] = set()
-    offsets: dict[int, int] = {}
 
     def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
         data = {"id": request_id, "object": "text_completion", "created": created,
@@ -268,26 +256,8 @@ async def _stream(state: ServerState, prep: PreparedCompletion, request_id: str,
         async with contextlib.aclosing(_merged(state, prep, request_id)) as merged:
             async for i, ro in merged:
                 for c in ro.outputs:
-                    idx = i * n + c.index
-                    delta, head, start = c.delta_text, None, offsets.get(idx, 0)
-                    if echo and idx not in echoed:
-                        echoed.add(idx)
-                        prompt_text, prompt_ids = prep.prompts[i]
-                        delta = (prompt_text or "") + delta
-                        start += len(prompt_text or "")
-                        if prep.logprobs is not None:
-                            head = echo_logprobs(prompt_ids, ro.prompt_logprobs, text)
-                    if not delta and c.finish_reason is None and not c.delta_token_ids:
-                        continue
-                    lp = completion_logprobs(c.delta_logprobs, text, start, head)
-                    offsets[idx] = offsets.get(idx, 0) + len(delta)
-                    choice = {"index": idx, "text": delta,
-                              "logprobs": lp.model_dump(mode="json") if lp else None,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    if c.finish_reason is not None and \
-                            (check := _verdict_field(prep, i, c, state.metrics)) is not None:
-                        choice["formwork"] = check.model_dump(mode="json")
-                    yield chunk([choice])
+                    if (choice := deltas.choice(i, ro, c)) is not None:
+                        yield chunk([choice])
                 if ro.finished:
                     finals[i] = ro
     except APIError as e:
