@@ -11,7 +11,10 @@ Starts its own server on 127.0.0.1 (a free port, --max-model-len 1024), then:
      killed with SIGKILL; a request refused with 503 (engine restarting) waits
      Retry-After and is sent again;
   3. compile storm: --storm concurrent requests, each with a distinct
-     60-property schema, while small plain requests run one at a time;
+     60-property schema, while small plain requests run one at a time; then the
+     same storm without schemas (the baseline that tells the compiles' cost
+     from the storm's own prefill and decode); --storm-rounds times, each round
+     with schemas never seen before;
   4. /metrics: KV blocks held once idle. Then the server gets SIGTERM.
 Prints answered / lost / duplicated / invalid / errors by status, p99 latency of
 the small plain requests during the storm vs idle, KV blocks held after. Goal: 0
@@ -200,6 +203,10 @@ async def small_latencies(client: httpx.AsyncClient, stop: asyncio.Event | None,
     return out
 
 
+def p50(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
 def p99(xs: list[float]) -> float:
     return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
 
@@ -232,13 +239,13 @@ async def main_phase(client, args, server_pid: int) -> tuple[list[Outcome], dict
     return list(outcomes), info
 
 
-async def storm_phase(client, args) -> tuple[list[Outcome], list[float]]:
+async def storm_phase(client, args, with_schemas: bool, round_: int
+                      ) -> tuple[list[Outcome], list[float]]:
     stop = asyncio.Event()
     lat_task = asyncio.create_task(small_latencies(client, stop, 0))
     await asyncio.sleep(0.2)
-    # --storm-plain: the same requests without their schemas, the baseline that
-    # tells the compiles' own cost from the storm's prefill and decode
-    schemas = [None if args.storm_plain else storm_schema(i) for i in range(args.storm)]
+    schemas = [storm_schema(round_ * args.storm + i) if with_schemas else None
+               for i in range(args.storm)]
     outcomes = await asyncio.gather(*(
         one(client, "storm", body_for("storm", s, args.storm_max_tokens, False), s, False)
         for s in schemas))
@@ -259,7 +266,12 @@ async def soak(args, url: str, server_pid: int) -> int:
         t0 = time.perf_counter()
         outcomes, info = await main_phase(client, args, server_pid)
         main_s = time.perf_counter() - t0
-        storm, storm_lat = await storm_phase(client, args)
+        storm, storm_lat, base_lat = [], [], []
+        for r in range(args.storm_rounds):
+            for with_schemas, lat in ((True, storm_lat), (False, base_lat)):
+                out, got = await storm_phase(client, args, with_schemas, r)
+                storm += out
+                lat += got
         await asyncio.sleep(2.0)
         held = await kv_held(client)
     all_out = outcomes + storm
@@ -271,7 +283,8 @@ async def soak(args, url: str, server_pid: int) -> int:
     checked = sum(o.valid is not None for o in all_out)
     print(f"main phase: {len(outcomes)} requests in {main_s:.1f} s (concurrency {args.concurrency}); "
           f"engine pid {info.get('killed_engine_pid')} killed with SIGKILL halfway")
-    print(f"storm: {len(storm)} requests, each a distinct 60-property schema")
+    print(f"storm: {args.storm_rounds} x ({args.storm} requests each with a distinct 60-property "
+          f"schema, then {args.storm} without), max_tokens {args.storm_max_tokens}")
     print(f"answered     {statuses['answered']}")
     print(f"disconnected {statuses['disconnected']} (clients that left mid-stream on purpose)")
     print(f"lost         {lost}")
@@ -281,10 +294,12 @@ async def soak(args, url: str, server_pid: int) -> int:
     print("statuses:     " + ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items())))
     print("finish:       " + ", ".join(f"{s}: {n}" for s, n in
                                        sorted(Counter(str(o.finish) for o in all_out).items())))
-    print(f"small plain request latency: idle p50 {statistics.median(idle):.3f} s p99 {p99(idle):.3f} s "
-          f"(n={len(idle)}); during the storm p50 "
-          f"{statistics.median(storm_lat) if storm_lat else float('nan'):.3f} s p99 {p99(storm_lat):.3f} s "
-          f"(n={len(storm_lat)})")
+    print("small plain request latency (p50 / p99 / n):")
+    for name, xs in (("idle", idle), ("during the schema storm", storm_lat),
+                     ("during the same storm without schemas", base_lat)):
+        print(f"  {name:38s} {p50(xs):.3f} s / {p99(xs):.3f} s / {len(xs)}")
+    print(f"  schema storm / idle p50: {p50(storm_lat) / p50(idle):.2f}; schema storm / storm "
+          f"without schemas p50: {p50(storm_lat) / p50(base_lat):.2f}")
     print(f"KV blocks held after: {held}")
     ok = lost == 0 and dup == 0 and invalid == 0 and held == 0
     print("RESULT: " + ("ok" if ok else "NOT ok"))
@@ -319,8 +334,8 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--storm", type=int, default=100, help="concurrent distinct-schema requests")
-    p.add_argument("--storm-plain", action="store_true",
-                   help="storm requests without schemas (the baseline for the compiles' cost)")
+    p.add_argument("--storm-rounds", type=int, default=1,
+                   help="schema storm + the same storm without schemas, this many times")
     p.add_argument("--storm-max-tokens", type=int, default=24,
                    help="max_tokens of each storm request (1: the compiles alone, no decode load)")
     p.add_argument("--max-model-len", type=int, default=1024)

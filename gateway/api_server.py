@@ -40,6 +40,11 @@ from formwork.gpu.model_files import DEFAULT_MODEL, load_model_tokenizer
 from formwork.schemas.config import EngineConfig
 
 log = logging.getLogger("formwork.gateway")
+# Idle keep-alive connections are kept longer than HTTP clients keep them in their
+# pools (httpx, under the openai SDK: 5 s): at uvicorn's default, also 5 s, a
+# client reusing a connection just as the server closes it loses its POST with a
+# ReadError (seen in bench/soak.py). nginx's default is 75 s.
+KEEP_ALIVE_S = 75
 KEYED_PATHS = ("/tokenize", "/detokenize")      # outside /v1, still behind the API key
 
 
@@ -155,7 +160,7 @@ def run_server(config: EngineConfig, *, host: str, port: int,
                     max_request_body_mb=max_request_body_mb, admission=admission)
     server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                       timeout_graceful_shutdown=5),
+                       timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S),
         on_sigterm=lambda: drain(app, drain_timeout_s))
     with contextlib.suppress(KeyboardInterrupt):     # uvicorn re-raises a SIGINT it handled
         server.run()

@@ -709,3 +709,23 @@ def test_zz_sigterm_leaves_no_orphan_engine(server):
     assert "Application shutdown complete" in server.logs()
     for pid in pids:
         assert gone(pid), f"engine process {pid} outlived the server"
+
+
+def test_an_idle_keep_alive_connection_outlives_http_clients_pool_expiry(server):
+    """httpx (the openai SDK's transport) keeps an idle connection for 5 s and then
+    reuses it; a server that also closes idle connections at 5 s races it, and a
+    POST sent as the server closes fails with a ReadError (bench/soak.py lost one
+    that way). The server must keep an idle connection longer than the clients do."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        def get_version() -> bytes:
+            s.sendall(b"GET /version HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            data = b""
+            while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    return data
+                data += chunk
+            return data
+        assert get_version().startswith(b"HTTP/1.1 200")
+        time.sleep(7.0)                                  # past httpx's keepalive_expiry
+        assert get_version().startswith(b"HTTP/1.1 200"), "the server closed an idle connection"
