@@ -21,10 +21,16 @@ NEW = 32
 
 
 @pytest.fixture(scope="module")
-def hf_reference(default_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_model(default_model_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(default_model_dir, hf_model):
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(default_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    model = hf_model
     ids, outs = [], []
     for p in PROMPTS:
         x = tok(p, add_special_tokens=False, return_tensors="pt").input_ids
@@ -80,10 +86,24 @@ def test_preempted_and_recomputed(hf_reference):
     llm.shutdown()
 
 
-def test_bf16_runs_and_mostly_agrees(hf_reference):
+# bf16 keeps 8 bits of mantissa: a logit near 16 moves in steps of 0.125, so two
+# candidates closer than this in fp32 may come out either way in bf16
+NEAR_TIE = 0.25
+
+
+def test_bf16_agrees_except_at_near_ties(hf_reference, hf_model):
+    """Greedy bf16 output equals HF fp32's until a position where HF's own top
+    choice beats ours by less than NEAR_TIE (then the rest may differ): a wrong
+    kernel diverges where the reference is not close (or produces garbage)."""
     ids, want = hf_reference
     llm = LLM(dtype="bfloat16", num_kv_blocks=256)
     got = run(llm, ids)
-    # bf16 rounding can flip near-ties; the first tokens must still agree
-    assert all(g[:4] == w[:4] for g, w in zip(got, want))
     llm.shutdown()
+    for prompt, g, w in zip(ids, got, want):
+        k = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if k is None:
+            continue
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompt + w[:k]])).logits[0, -1]
+        margin = (logits[w[k]] - logits[g[k]]).item()
+        assert 0 <= margin < NEAR_TIE, (k, w[k], g[k], margin)

@@ -1,7 +1,10 @@
 """The CPU paged decode-attention kernel (C++ extension) against its reference:
 ragged contexts across block boundaries, GQA ratios 1/3/4, head_dim 64/128,
 block sizes 16/32, fp32/bf16/fp16, shuffled block tables; head_dim 64 and 128
-have compile-time specializations, others the generic path."""
+have compile-time specializations, others the generic path. bf16 with head_dim
+64/128 takes the AVX-512 path where the CPU has it (16-key tiles, query heads in
+chunks of <= 4 / <= 2): `test_bf16_fast_path_shapes` covers its chunking and
+tile edges."""
 import shutil
 
 import pytest
@@ -40,6 +43,24 @@ def test_matches_reference(dtype, heads, kv_heads, head_dim, block_size):
     want = cda.paged_decode_attention_ref(q, kc, vc, table, lens, 0.1)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert all(torch.equal(a, b) for a, b in zip(before, (kc, vc, q)))   # inputs untouched
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(5, 1), (12, 2), (9, 3), (3, 3)])   # G = 5, 6, 3, 1
+@pytest.mark.parametrize("head_dim", [64, 128, 96])                           # 96: generic path
+@pytest.mark.parametrize("block_size", [8, 24])                               # partial 16-key tiles
+def test_bf16_fast_path_shapes(heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 7 + head_dim + block_size)
+    seq_lens = [1, 7, 16, 17, block_size * 3 + 5, 130]
+    p, max_blocks = len(seq_lens), -(-max(seq_lens) // block_size)
+    num_blocks = p * max_blocks + 2
+    kc = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen) * 2).bfloat16()
+    vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    table = torch.randperm(num_blocks, generator=gen)[:p * max_blocks].view(p, max_blocks)
+    q = torch.randn(p, heads, head_dim, generator=gen).bfloat16()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    got = cda.paged_decode_attention(q, kc, vc, table.to(torch.int32), lens, head_dim ** -0.5)
+    want = cda.paged_decode_attention_ref(q, kc, vc, table.to(torch.int32), lens, head_dim ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_out_argument_and_strided_query():
