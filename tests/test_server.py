@@ -700,17 +700,6 @@ def test_64_concurrent_constrained_requests(server, model):
     assert _wait_idle(server)["formwork_kv_cache_held_blocks"] == 0
 
 
-def test_zz_sigterm_leaves_no_orphan_engine(server):
-    """Last in the module: stops the shared server."""
-    pids = server.child_pids()
-    rc = server.stop(signal.SIGTERM)
-    # uvicorn re-raises the captured SIGTERM after its graceful shutdown
-    assert rc in (0, -signal.SIGTERM), server.logs()
-    assert "Application shutdown complete" in server.logs()
-    for pid in pids:
-        assert gone(pid), f"engine process {pid} outlived the server"
-
-
 def test_an_idle_keep_alive_connection_outlives_http_clients_pool_expiry(server):
     """httpx (the openai SDK's transport) keeps an idle connection for 5 s and then
     reuses it; a server that also closes idle connections at 5 s races it, and a
@@ -729,3 +718,15 @@ def test_an_idle_keep_alive_connection_outlives_http_clients_pool_expiry(server)
         assert get_version().startswith(b"HTTP/1.1 200")
         time.sleep(7.0)                                  # past httpx's keepalive_expiry
         assert get_version().startswith(b"HTTP/1.1 200"), "the server closed an idle connection"
+
+
+def test_zz_sigterm_leaves_no_orphan_engine(server):
+    """Last in the module: stops the shared server."""
+    pids = server.child_pids()
+    rc = server.stop(signal.SIGTERM)
+    # uvicorn re-raises the captured SIGTERM after its graceful shutdown
+    assert rc in (0, -signal.SIGTERM), server.logs()
+    assert "Application shutdown complete" in server.logs()
+    for pid in pids:
+        assert gone(pid), f"engine process {pid} outlived the server"
+
