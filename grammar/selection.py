@@ -67,19 +67,7 @@ def choose_backend(params: StructuredOutputsParams, default_backend: str = "auto
 
     `default_backend` replaces `params.backend == "auto"` when it is not "auto".
     """
-    name = _requested(params, default_backend)
-    if name != "auto":
-        CHECKS[name](params)
-        return name
-    first_error: ValueError | None = None
-    for candidate in AUTO_ORDER[params.kind()]:
-        try:
-            CHECKS[candidate](params)
-            return candidate
-        except ValueError as err:
-            first_error = first_error or err
-    assert first_error is not None
-    raise first_error
+    return _choose(params, default_backend, llguidance_first=False)
 
 
 def validate_params(params: StructuredOutputsParams, default_backend: str = "auto") -> None:
@@ -91,16 +79,25 @@ def validate_params(params: StructuredOutputsParams, default_backend: str = "aut
     The same verdict as `choose_backend` (some backend accepts, else the first
     backend's error), reached trying llguidance first: it needs no torch, and
     whichever backend the engine then picks, one accepts."""
+    _choose(params, default_backend, llguidance_first=True)
+
+
+def _choose(params: StructuredOutputsParams, default_backend: str, *,
+            llguidance_first: bool) -> str:
+    """The requested backend if it accepts; for "auto" the first in AUTO_ORDER that
+    accepts (tried llguidance first when asked: the verdict is the same), else the
+    error of AUTO_ORDER's first backend."""
     name = _requested(params, default_backend)
     if name != "auto":
         CHECKS[name](params)
-        return
+        return name
     order = AUTO_ORDER[params.kind()]
+    tries = sorted(order, key=lambda c: c != "llguidance") if llguidance_first else order
     errors: dict[str, ValueError] = {}
-    for candidate in sorted(order, key=lambda c: c != "llguidance"):   # stable: the rest keep order
+    for candidate in tries:                 # sorted is stable: the rest keep their order
         try:
             CHECKS[candidate](params)
-            return
+            return candidate
         except ValueError as err:
             errors[candidate] = err
     raise errors[order[0]]
