@@ -62,14 +62,15 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-def run(llm, batch: int, steps: int, top: int) -> None:
+def run(llm, batch: int, steps: int, top: int, prompt_len: int = 80) -> None:
     import torch
     from formwork import SamplingParams
     eng = llm.engine
     ex = eng.executor
     runner = ex.runner
     tok = llm.tokenizer
-    base = tok("The quick brown fox jumps over the lazy dog. " * 40, add_special_tokens=False).input_ids
+    base = tok("The quick brown fox jumps over the lazy dog. " * (40 + prompt_len // 8),
+               add_special_tokens=False).input_ids
     sample_s: list[float] = []
     orig_sample = runner.sample
 
@@ -84,7 +85,7 @@ def run(llm, batch: int, steps: int, top: int) -> None:
     def add_batch(tag, max_tokens):
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         for i in range(batch):
-            for er in llm._processor.add_request(f"{tag}-{batch}-{i}", None, base[i:i + 80], sp,
+            for er in llm._processor.add_request(f"{tag}-{batch}-{i}", None, base[i:i + prompt_len], sp,
                                                  time.monotonic()):
                 eng.add_request(er)
 
@@ -116,7 +117,7 @@ def run(llm, batch: int, steps: int, top: int) -> None:
         eng.step()
     med = lambda i: statistics.median(r[i] for r in rows) * 1e3      # noqa: E731
     wall, sched, fwd, smp = med(0), med(1), med(2), med(3)
-    print(f"\n## batch {batch}: {steps} decode steps, threads {torch.get_num_threads()} (caller), "
+    print(f"\n## batch {batch}, {prompt_len}-token prompts: {steps} decode steps, threads {torch.get_num_threads()} (caller), "
           f"engine forward threads {eng.get_stats().forward_threads or 'fixed'}")
     print("| phase (median ms per step) | ms | share |\n|---|---|---|")
     for name, v in (("step wall", wall), ("schedule (engine thread, before submit)", sched),
@@ -172,12 +173,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompt-len", type=int, default=80, help="tokens per prompt (the decode context)")
     args = ap.parse_args(argv)
     import os
     from formwork import LLM
-    llm = LLM(engine_process=False, dtype=args.dtype, max_num_seqs=max(args.batches))
+    llm = LLM(engine_process=False, dtype=args.dtype, max_num_seqs=max(args.batches),
+              max_model_len=max(2048, args.prompt_len + args.steps + 64))
     for b in args.batches:
-        run(llm, b, args.steps, args.top)
+        run(llm, b, args.steps, args.top, args.prompt_len)
     print(f"\nload average: {os.getloadavg()[0]:.2f}")
     llm.shutdown()
     return 0

@@ -93,16 +93,23 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--backend", default="auto", choices=("auto", "llguidance", "xgrammar", "outlines"))
+    ap.add_argument("--no-budget-aware", action="store_true",
+                    help="no closing searches in each request's last tokens (--no-budget-aware)")
+    ap.add_argument("--eager-masks", action="store_true",
+                    help="fill every mask beside the forward (--no-defer-grammar-masks)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from structured_overhead import bench_apply
     from formwork import LLM, SamplingParams, StructuredOutputsParams
     shapes = all_shapes()
     names = args.shapes or list(shapes)
-    llm = LLM(dtype="bfloat16", max_num_seqs=max(args.batch, 2))
+    llm = LLM(dtype="bfloat16", max_num_seqs=max(args.batch, 2), defer_grammar_masks=not args.eager_masks,
+              budget_aware=not args.no_budget_aware)
     free = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     apply_ms = bench_apply(llm.engine.vocab_size, [args.batch])[args.batch]
-    print(f"batch {args.batch}, {args.output_len} tokens each way, backend {args.backend}; "
+    print(f"batch {args.batch}, {args.output_len} tokens each way, backend {args.backend}, "
+          f"{'eager' if args.eager_masks else 'deferred'} masks, budget-aware "
+          f"{'off' if args.no_budget_aware else 'on'}; "
           f"bitmask apply on [{args.batch}, vocab] logits: {apply_ms:.3f} ms per step")
     print("| shape | free tok/s | constrained tok/s | constrained ÷ free | steps free / constrained "
           "| fill ms/step | load avg |")

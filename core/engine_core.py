@@ -1,8 +1,9 @@
 """EngineCore: one thread owns all request state and runs the V1 step:
 
     schedule -> execute_model(plan, non_block=True) -> grammar bitmask (CPU,
-    overlapping the forward) -> sample_tokens(bitmask) -> apply aborts that
-    arrived meanwhile -> update_from_output -> outputs
+    overlapping the forward) -> sample_tokens(bitmask) [-> check deferred picks,
+    resample refused ones] -> apply aborts that arrived meanwhile ->
+    update_from_output -> outputs
 
 `abort_requests` may be called from any thread (it only queues); everything
 else is called from the engine thread. A step that fails is re-run on halves
@@ -21,12 +22,14 @@ from formwork.core.request import Request, RequestStatus
 from formwork.core.scheduler import Scheduler
 from formwork.core.step_hooks import StepHooks
 from formwork.gpu.executor import Executor
+from formwork.gpu.sampler import mask_can_wait
 from formwork.gpu.model_files import load_tokenizer, resolve_model
-from formwork.grammar.manager import GrammarStats, StructuredOutputManager
+from formwork.grammar.manager import StructuredOutputManager
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.sampling import check_token_ids
 from formwork.schemas.engine import EngineCoreOutputs, EngineCoreRequest, EngineStats
 from formwork.schemas.scheduler import SchedulerOutput
+from formwork.schemas.structured import GrammarStats
 
 log = logging.getLogger("formwork.engine")
 
@@ -126,14 +129,7 @@ class EngineCore:
         self._trace("execute")
         self.executor.execute_model(plan, non_block=True)
         try:
-            self._trace("grammar")
-            t0 = time.perf_counter()
-            bitmask = (self.structured.fill_bitmask(plan.structured_req_ids)
-                       if plan.structured_req_ids else None)
-            t1 = time.perf_counter()
-            self.bitmask_seconds += t1 - t0
-            self._trace("wait")
-            runner_out = self.executor.sample_tokens(bitmask)
+            runner_out, t0, t1 = self._sample(plan)
         except Exception as e:  # a failed step: commit nothing, find its culprit(s)
             log.exception("model step failed (%d requests); isolating the culprit",
                           len(plan.num_scheduled_tokens))
@@ -154,13 +150,41 @@ class EngineCore:
             self.scheduler.check_invariants()
         return EngineCoreOutputs(outputs=outputs)
 
+    def _sample(self, plan: SchedulerOutput):
+        """With the forward in flight: fill the grammar masks the step needs now,
+        sample, then check the deferred picks (requests whose sampling commutes
+        with the mask, gpu/sampler.py) and pick again, masked, where the grammar
+        refuses one. Returns (runner output, fill start, fill end)."""
+        self._trace("grammar")
+        t0 = time.perf_counter()
+        ids, deferred = plan.structured_req_ids, []
+        if ids and self.config.defer_grammar_masks:
+            reqs = self.scheduler.requests
+            deferred = [r for r in ids if mask_can_wait(reqs[r].sampling_params)
+                        and self.structured.can_defer(r)]
+            ids = [r for r in ids if r not in set(deferred)] if deferred else ids
+        bitmask = self.structured.fill_bitmask(ids) if ids else None
+        t1 = time.perf_counter()
+        self._trace("wait")
+        out = self.executor.sample_tokens(bitmask, ids, deferred)
+        if deferred:
+            row = {r: i for i, r in enumerate(out.req_ids)}
+            refused = [r for r in deferred
+                       if not self.structured.check_deferred(r, out.sampled_token_ids[row[r]])]
+            if refused:
+                t = time.perf_counter()
+                bitmask = self.structured.fill_bitmask(refused)
+                self.bitmask_seconds += time.perf_counter() - t
+                for r, tok in zip(refused, self.executor.resample(refused, bitmask)):
+                    out.sampled_token_ids[row[r]] = tok
+        self.bitmask_seconds += t1 - t0
+        return out, t0, t1
+
     def _run_plan(self, plan: SchedulerOutput):
         """Forward + grammar bitmask + sample for `plan`, blocking; raises what fails."""
         self.executor.execute_model(plan, non_block=True)
         try:
-            bitmask = (self.structured.fill_bitmask(plan.structured_req_ids)
-                       if plan.structured_req_ids else None)
-            return self.executor.sample_tokens(bitmask)
+            return self._sample(plan)[0]
         except Exception:
             self.executor.cancel_inflight()
             raise

@@ -43,6 +43,9 @@ FLAGS: dict[str, Flag] = {
         help="seconds a request's grammar may take to compile; after that the request fails"),
     "budget_aware": Flag(help="do not close JSON-schema outputs before max_tokens runs out (per "
                               "request: structured_outputs.budget_aware)"),
+    "defer_grammar_masks": Flag(help="fill every constrained request's grammar mask beside the "
+                                     "forward, instead of checking the unmasked pick of greedy and "
+                                     "temperature-only requests first and masking only refused ones"),
     "num_threads": Flag(help="torch intra-op threads"),
     "adaptive_threads": Flag(help="CPU: keep --num-threads fixed instead of sizing the forward's "
                                   "thread team to the cores other processes leave free"),

@@ -163,13 +163,21 @@ class Executor:
             fut.result()
         return fut
 
-    def sample_tokens(self, bitmask: torch.Tensor | None) -> ModelRunnerOutput:
-        """Waits for the in-flight forward (re-raising its error) and samples."""
+    def sample_tokens(self, bitmask: torch.Tensor | None, mask_req_ids: list[str] | None = None,
+                      deferred_req_ids: list[str] = ()) -> ModelRunnerOutput:
+        """Waits for the in-flight forward (re-raising its error) and samples (the
+        bitmask's rows are mask_req_ids', default the plan's structured requests;
+        deferred_req_ids are sampled unmasked and kept for `resample`)."""
         assert self._inflight is not None, "sample_tokens without execute_model"
         plan, fut = self._inflight
         self._inflight = None
         logits = fut.result()
-        return self._pool.submit(self.runner.sample, plan, logits, bitmask).result()
+        return self._pool.submit(self.runner.sample, plan, logits, bitmask, mask_req_ids,
+                                 deferred_req_ids).result()
+
+    def resample(self, req_ids: list[str], bitmask: torch.Tensor) -> list[int]:
+        """Masked picks, after sample_tokens, for some of its deferred requests."""
+        return self._pool.submit(self.runner.resample, req_ids, bitmask).result()
 
     def cancel_inflight(self) -> None:
         """After a failed step: wait the forward out so the next step starts clean."""

@@ -66,6 +66,7 @@ class ModelRunner:
         self.requests: dict[str, _ReqState] = {}
         self._plp_prompts: dict[str, list[int]] = {}   # prompts still to score (prompt_logprobs)
         self._plp_step: tuple[SchedulerOutput, dict] | None = None
+        self._deferred: dict[str, int] = {}   # last sample()'s deferred request -> kept row
 
     # -- state -----------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -143,20 +144,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, so: SchedulerOutput, logits: torch.Tensor | None,
-               bitmask: torch.Tensor | None) -> ModelRunnerOutput:
+               bitmask: torch.Tensor | None, mask_req_ids: list[str] | None = None,
+               deferred_req_ids: list[str] = ()) -> ModelRunnerOutput:
+        """bitmask rows are for mask_req_ids (default: the plan's structured requests);
+        deferred_req_ids: structured requests sampled without their mask this time,
+        kept for `resample`."""
         req_ids = list(so.sampling_req_ids)
         step, self._plp_step = self._plp_step, None
         plp = step[1] if step is not None and step[0] is so and step[1] else None
+        self._deferred = {}
         if logits is None or not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=plp)
-        rows = None
+        pos = {r: i for i, r in enumerate(req_ids)}
+        rows = keep = None
         if bitmask is not None:
-            pos = {r: i for i, r in enumerate(req_ids)}
-            rows = torch.tensor([pos[r] for r in so.structured_req_ids], dtype=torch.int64)
+            masked = so.structured_req_ids if mask_req_ids is None else mask_req_ids
+            rows = torch.tensor([pos[r] for r in masked], dtype=torch.int64)
+        if deferred_req_ids:
+            keep = torch.tensor([pos[r] for r in deferred_req_ids], dtype=torch.int64)
+            self._deferred = {r: i for i, r in enumerate(deferred_req_ids)}
         batch = self._sampling_batch(req_ids)
-        out = self.sampler(logits, batch, bitmask, rows)
+        out = self.sampler(logits, batch, bitmask, rows, keep)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=out.token_ids, logprobs=out.logprobs,
                                  prompt_logprobs=plp)
+
+    @torch.inference_mode()
+    def resample(self, req_ids: list[str], bitmask: torch.Tensor) -> list[int]:
+        """Masked picks for deferred requests of the last sample() (bitmask row i: req_ids[i])."""
+        rows = torch.tensor([self._deferred[r] for r in req_ids], dtype=torch.int64)
+        return self.sampler.resample(rows, bitmask)
 
     def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor) -> dict:
         """req_id -> (p, entries) for the prompt positions p.. computed this step by requests

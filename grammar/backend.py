@@ -72,6 +72,14 @@ class Matcher(ABC):
         """Advance over `token_ids` (the stop token terminates). All or nothing:
         on False the state is unchanged."""
 
+    def accepts(self, token_id: int) -> bool:
+        """Whether `token_id` is allowed next, i.e. set in the row fill_bitmask would
+        write (tests/test_deferred_masks.py checks the two agree); state unchanged."""
+        if not self.accept_tokens([token_id]):
+            return False
+        self.rollback(1)
+        return True
+
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]`; does not mutate state.

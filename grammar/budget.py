@@ -150,18 +150,25 @@ class ClosingSearch:
 
         return dfs(*self._mask(matcher), limit) if limit > 0 else None
 
-    def steer(self, budget: Budget, matcher: Matcher, bitmask: torch.Tensor, row: int) -> bool:
-        """Narrow `bitmask[row]` to the closing path's next token once the path needs
-        (nearly) all the tokens left; True if it did. Searches when due."""
+    def forced_next(self, budget: Budget, matcher: Matcher) -> int | None:
+        """The closing path's next token once the path needs (nearly) all the tokens
+        left, else None. Searches when due (so a second call in a step does not)."""
         if budget.left > WINDOW:
-            return False
+            return None
         if budget.closing is None and budget.search_due():
             budget.closing = self.path(matcher, budget.left)
             budget.closing_len = len(budget.closing) if budget.closing else 0
             budget.searched_at = budget.left
         if not budget.closing or len(budget.closing) + SLACK < budget.left:
+            return None
+        return budget.closing[0]
+
+    def steer(self, budget: Budget, matcher: Matcher, bitmask: torch.Tensor, row: int) -> bool:
+        """Narrow `bitmask[row]` to `forced_next`'s token; True if it did."""
+        token = self.forced_next(budget, matcher)
+        if token is None:
             return False
-        set_only_tokens(bitmask, row, [budget.closing[0]])
+        set_only_tokens(bitmask, row, [token])
         budget.closed_early = True
         return True
 

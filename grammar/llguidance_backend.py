@@ -82,6 +82,13 @@ class LLGuidanceMatcher(Matcher):
             self._terminated = True
         return True
 
+    def accepts(self, token_id: int) -> bool:
+        if self._terminated or self.native.is_error():
+            return False
+        if token_id == self._eos:
+            return self.native.is_accepting()
+        return self.native.validate_tokens([int(token_id)]) == 1
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self._terminated or self.native.is_error():
             set_only_tokens(bitmask, row, [self._eos])

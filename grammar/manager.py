@@ -12,7 +12,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,7 +25,7 @@ from formwork.grammar.outlines_backend import OutlinesBackend
 from formwork.grammar.selection import choose_backend
 from formwork.grammar.vocab import TokenVocab
 from formwork.grammar.xgrammar_backend import XGrammarBackend
-from formwork.schemas.structured import GrammarStatus, StructuredOutputsParams
+from formwork.schemas.structured import GrammarStats, GrammarStatus, StructuredOutputsParams
 
 @dataclass(slots=True)
 class _RequestGrammar:
@@ -36,23 +36,8 @@ class _RequestGrammar:
     matcher: Matcher | None = None
     backend: GrammarBackend | None = None
     budget: Budget | None = None  # None: not budget-aware
-
-
-@dataclass(slots=True)
-class GrammarStats:
-    """Counts since start-up; `stats()` hands out a copy (the engine's EngineStats
-    carries some of them across the process boundary)."""
-    compiles: int = 0
-    compile_failures: int = 0
-    cache_hits: int = 0
-    inflight_shared: int = 0
-    compile_seconds: float = 0.0
-    fill_calls: int = 0
-    fill_seconds: float = 0.0
-    jump_forward_tokens: int = 0
-    budget_steered_steps: int = 0
-    by_backend: dict[str, int] = field(default_factory=dict)
-    cache_size: int = 0
+    eager_steps: int = 0          # steps before its mask may be deferred again
+    refusals: int = 0             # deferred picks refused in a row
 
 
 def build_backend(name: str, vocab: TokenVocab, tokenizer, *, num_threads: int = 2,
@@ -249,30 +234,58 @@ class StructuredOutputManager:
             self._bitmask = allocate_bitmask(max(n, 2 * self._bitmask.shape[0]), self.vocab_size)
         out = self._bitmask[:n]
         groups: dict[str, tuple[GrammarBackend, list[Matcher], list[int]]] = {}
+        steered = False
         for row, rid in enumerate(request_ids):
             if rid not in self._requests:
                 out[row].fill_(-1)
                 continue
-            matcher, backend = self._matcher(rid), self._requests[rid].backend
+            entry, matcher = self._requests[rid], self._matcher(rid)
+            if entry.budget is not None and self._closing.steer(entry.budget, matcher, out, row):
+                self._stats.budget_steered_steps += 1   # narrowed to one token: no fill
+                steered = True
+                continue
+            backend = entry.backend
             assert backend is not None
             group = groups.setdefault(backend.name, (backend, [], []))
             group[1].append(matcher)
             group[2].append(row)
         for backend, matchers, rows in groups.values():
             backend.fill_bitmasks(matchers, out, rows)
-        self._steer_to_budget(request_ids, out)
         self._stats.fill_calls += 1
         self._stats.fill_seconds += time.perf_counter() - start
-        return out if groups else None
+        return out if groups or steered else None
 
-    def _steer_to_budget(self, request_ids: list[str], out: torch.Tensor) -> None:
-        """Budget-aware rows near their end: narrowed to a short path that completes
-        the output (grammar/budget.py)."""
-        for row, rid in enumerate(request_ids):
-            entry = self._requests.get(rid)
-            if entry is not None and entry.budget is not None and \
-                    self._closing.steer(entry.budget, self._matcher(rid), out, row):
-                self._stats.budget_steered_steps += 1
+    # --- deferred masks (engine thread; EngineCore's step, gpu/sampler.py) -----------
+    def can_defer(self, request_id: str) -> bool:
+        """Whether this step may sample the request without its mask and check the
+        pick after: its matcher is ready and running, budget-aware steering cannot
+        narrow its mask this step, and no recent pick of it was refused. Call once
+        per step per request (an eager step counts down the wait)."""
+        entry = self._requests.get(request_id)
+        if entry is None or entry.status != "ready" or entry.matcher.is_terminated() or \
+                (entry.budget is not None and self._closing.forced_next(entry.budget, entry.matcher)
+                 is not None):
+            return False
+        if entry.eager_steps:
+            entry.eager_steps -= 1
+            return False
+        return True
+
+    def check_deferred(self, request_id: str, token_id: int) -> bool:
+        """Whether the grammar allows `token_id` next (matcher unchanged). A refusal
+        keeps the request's masks eager for 2, 4, ... 32 steps (doubling while its
+        deferred picks keep being refused): a refused pick costs a fill and a second
+        pick after the forward instead of a fill beside it."""
+        entry = self._requests[request_id]
+        ok = self._matcher(request_id).accepts(token_id)
+        self._stats.deferred_checks += 1
+        if ok:
+            entry.refusals = 0
+        else:
+            self._stats.deferred_refused += 1
+            entry.refusals += 1
+            entry.eager_steps = 1 << min(entry.refusals, 5)
+        return ok
 
     def stats(self) -> GrammarStats:
         with self._lock:

@@ -34,6 +34,9 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 30.0
     enable_jump_forward: bool = True
     budget_aware: bool = True            # JSON schemas closed before max_tokens (grammar/budget.py)
+    # greedy / temperature-only requests: pick without the grammar mask, check the pick,
+    # mask and pick again only when it is refused (gpu/sampler.py, EngineCore._sample)
+    defer_grammar_masks: bool = True
     num_threads: int | None = None       # torch intra-op threads; None -> torch default
     adaptive_threads: bool = True        # CPU: fewer threads while other processes take cores
     # returned logprobs (vLLM's logprobs_mode): the model's own ("raw_logprobs"), or

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -14,6 +15,26 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 BACKENDS = ("auto", "llguidance", "xgrammar", "outlines", "guidance")
 # where a request's grammar is: compiling, ready to constrain, or refused
 GrammarStatus = Literal["pending", "ready", "failed"]
+
+
+@dataclass(slots=True)
+class GrammarStats:
+    """The grammar manager's counts since start-up (grammar/manager.py `stats()`
+    hands out a copy; the engine's EngineStats carries some of them across the
+    process boundary)."""
+    compiles: int = 0
+    compile_failures: int = 0
+    cache_hits: int = 0
+    inflight_shared: int = 0
+    compile_seconds: float = 0.0
+    fill_calls: int = 0
+    fill_seconds: float = 0.0
+    jump_forward_tokens: int = 0
+    budget_steered_steps: int = 0
+    deferred_checks: int = 0      # picks made without the mask, then checked
+    deferred_refused: int = 0     # ... of which the grammar refused (picked again, masked)
+    by_backend: dict[str, int] = field(default_factory=dict)
+    cache_size: int = 0
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):

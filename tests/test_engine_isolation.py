@@ -34,8 +34,8 @@ class FaultyExecutor:
         self._plan = plan
         return self.inner.execute_model(plan, non_block)
 
-    def sample_tokens(self, bitmask):
-        out = self.inner.sample_tokens(bitmask)
+    def sample_tokens(self, *args):
+        out = self.inner.sample_tokens(*args)
         if self.fails(self._plan):
             self.num_faults += 1
             raise RuntimeError("injected fault (test)")

@@ -64,7 +64,9 @@ def test_bitmask_fill_overlaps_the_forward(tiny):
     try:
         eng.add_request(EngineCoreRequest(
             request_id="ov", prompt_token_ids=[1, 2, 3],
-            sampling_params=SamplingParams(temperature=0, max_tokens=6, structured_outputs=SO(json=SIMPLE))))
+            # top_p: a request whose mask is never deferred (tests/test_deferred_masks.py)
+            sampling_params=SamplingParams(temperature=0.7, top_p=0.9, seed=0, max_tokens=6,
+                                           structured_outputs=SO(json=SIMPLE))))
         timings = []
         while eng.has_unfinished_requests():
             n_fills = len(fills)
