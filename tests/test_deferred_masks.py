@@ -7,6 +7,7 @@ logits and noise is the eager pick."""
 from __future__ import annotations
 
 import json
+import pathlib
 import random
 import time
 
@@ -18,6 +19,7 @@ from formwork import LLM, SamplingParams, StructuredOutputsParams as SO
 from formwork.core.step_hooks import StepHooks
 from formwork.grammar.backend import allocate_bitmask, allowed_token_ids
 from formwork.grammar.manager import StructuredOutputManager, build_backend
+from formwork.grammar.selection import choose_backend
 from formwork.grammar.vocab import TokenVocab
 from formwork.gpu.sampler import Sampler, SamplingBatch, mask_can_wait
 
@@ -67,6 +69,41 @@ def test_accepts_agrees_with_the_mask(backend, tokenizer, vocab):
                     break
                 assert m.accept_tokens([rng.choice(body)])
     assert checked > 50_000
+
+
+DATA = pathlib.Path(__file__).parent / "data" / "jsonschemabench"
+
+
+def test_accepts_agrees_with_the_mask_on_corpus_schemas(tokenizer, vocab):
+    """The same agreement on the checked-in JSONSchemaBench slice, each schema with
+    the backend `auto` gives it, along random walks."""
+    backends: dict = {}
+    rng = random.Random(1)
+    row = allocate_bitmask(1, VOCAB)
+    specials = sorted(vocab.special_ids | {vocab.eos_token_id})
+    served = 0
+    for path in sorted(p for p in DATA.glob("*/*.json") if not p.name.endswith(".tests.json")):
+        params = SO(json=json.loads(path.read_text()))
+        try:
+            name = choose_backend(params)
+        except ValueError:
+            continue                                  # refused up front: never served
+        be = backends.setdefault(name, build_backend(name, vocab, tokenizer))
+        m = be.compile(params).new_matcher()
+        served += 1
+        for _ in range(8):
+            m.fill_bitmask(row, 0)
+            allowed = allowed_token_ids(row, 0, VOCAB)
+            allowed_set = set(allowed)
+            probe = rng.sample(allowed, min(len(allowed), 150)) + specials + \
+                [t for t in rng.sample(range(VOCAB), 300) if t not in allowed_set]
+            for t in probe:
+                assert m.accepts(t) == (t in allowed_set), (path.name, name, t, vocab.token_bytes[t])
+            body = [t for t in allowed if t != vocab.eos_token_id]
+            if not body:
+                break
+            assert m.accept_tokens([rng.choice(body)])
+    assert served >= 15
 
 
 def _batch(temps, seeds):
