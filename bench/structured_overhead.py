@@ -78,11 +78,15 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--eager-masks", action="store_true",
+                    help="fill every mask beside the forward (--no-defer-grammar-masks)")
+    ap.add_argument("--no-budget-aware", action="store_true", help="no closing searches (--no-budget-aware)")
     ap.add_argument("--backend", default="auto",
                     choices=("auto", "llguidance", "xgrammar", "outlines"))
     args = ap.parse_args(argv)
     from formwork import LLM, SamplingParams, StructuredOutputsParams
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batches))
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batches),
+              defer_grammar_masks=not args.eager_masks, budget_aware=not args.no_budget_aware)
     so = StructuredOutputsParams(json=LONG_STRING_SCHEMA, backend=args.backend)
     plain = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     constrained = SamplingParams(temperature=0, max_tokens=args.output_len, structured_outputs=so)
