@@ -250,7 +250,8 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             grammar_compiles=g.compiles, grammar_cache_hits=g.cache_hits,
             grammar_compile_seconds=g.compile_seconds,
-            bitmask_seconds=self.bitmask_seconds, steps=self.steps,
+            bitmask_seconds=self.bitmask_seconds, grammar_deferred_checks=g.deferred_checks,
+            grammar_deferred_refused=g.deferred_refused, steps=self.steps,
             forward_threads=governor.threads if governor is not None else 0,
             thread_resizes=governor.resizes if governor is not None else 0,
         )

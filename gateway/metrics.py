@@ -107,6 +107,10 @@ class _EngineCollector:
             "grammar_cache_hits": ("Grammar compile-cache hits.", s.grammar_cache_hits),
             "grammar_compile_seconds": ("Seconds spent compiling grammars.", s.grammar_compile_seconds),
             "grammar_bitmask_seconds": ("Seconds spent filling grammar bitmasks.", s.bitmask_seconds),
+            "grammar_deferred_checks": ("Constrained picks made without the grammar mask, then "
+                                        "checked by the matcher.", s.grammar_deferred_checks),
+            "grammar_deferred_refused": ("Deferred picks the grammar refused (picked again with "
+                                         "the mask).", s.grammar_deferred_refused),
             "engine_steps": ("Engine steps run.", s.steps),
             "forward_thread_resizes": ("Times the forward's thread team was resized.",
                                        s.thread_resizes),

@@ -588,10 +588,14 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
 
 
 def test_metrics_counters_move(server, client, model):
+    checks = metrics(server).get("formwork_grammar_deferred_checks_total", 0)
     client.chat.completions.create(  # a grammar compile of its own: no reliance on test order
-        model=model, messages=ASK, max_tokens=4,
+        model=model, messages=ASK, max_tokens=4, temperature=0,
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     before = metrics(server)
+    # greedy: its first pick was made without the mask and checked (deferred masks)
+    assert before["formwork_grammar_deferred_checks_total"] > checks
+    assert "formwork_grammar_deferred_refused_total" in before
     r = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=8)
     after = metrics(server)
     label = f'{{model_name="{model}"}}'
