@@ -22,8 +22,8 @@ from formwork.core.request import Request, RequestStatus
 from formwork.core.scheduler import Scheduler
 from formwork.core.step_hooks import StepHooks
 from formwork.gpu.executor import Executor
-from formwork.gpu.sampler import mask_can_wait
 from formwork.gpu.model_files import load_tokenizer, resolve_model
+from formwork.gpu.sampler import mask_can_wait
 from formwork.grammar.manager import StructuredOutputManager
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.sampling import check_token_ids
@@ -162,7 +162,9 @@ class EngineCore:
             reqs = self.scheduler.requests
             deferred = [r for r in ids if mask_can_wait(reqs[r].sampling_params)
                         and self.structured.can_defer(r)]
-            ids = [r for r in ids if r not in set(deferred)] if deferred else ids
+            if deferred:
+                waiting = set(deferred)
+                ids = [r for r in ids if r not in waiting]
         bitmask = self.structured.fill_bitmask(ids) if ids else None
         t1 = time.perf_counter()
         self._trace("wait")

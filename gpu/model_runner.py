@@ -159,9 +159,11 @@ class ModelRunner:
         rows = keep = None
         if bitmask is not None:
             masked = so.structured_req_ids if mask_req_ids is None else mask_req_ids
-            rows = torch.tensor([pos[r] for r in masked], dtype=torch.int64)
+            rows = torch.tensor([pos[r] for r in masked], dtype=torch.int64, device=self.device)
+            bitmask = bitmask.to(self.device)       # the grammar manager fills it on the host
         if deferred_req_ids:
-            keep = torch.tensor([pos[r] for r in deferred_req_ids], dtype=torch.int64)
+            keep = torch.tensor([pos[r] for r in deferred_req_ids], dtype=torch.int64,
+                                device=self.device)
             self._deferred = {r: i for i, r in enumerate(deferred_req_ids)}
         batch = self._sampling_batch(req_ids)
         out = self.sampler(logits, batch, bitmask, rows, keep)
@@ -171,8 +173,8 @@ class ModelRunner:
     @torch.inference_mode()
     def resample(self, req_ids: list[str], bitmask: torch.Tensor) -> list[int]:
         """Masked picks for deferred requests of the last sample() (bitmask row i: req_ids[i])."""
-        rows = torch.tensor([self._deferred[r] for r in req_ids], dtype=torch.int64)
-        return self.sampler.resample(rows, bitmask)
+        rows = torch.tensor([self._deferred[r] for r in req_ids], dtype=torch.int64, device=self.device)
+        return self.sampler.resample(rows, bitmask.to(self.device))
 
     def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor) -> dict:
         """req_id -> (p, entries) for the prompt positions p.. computed this step by requests
