@@ -210,15 +210,19 @@ def _run(model_dir, defer: bool, reqs):
 
 def test_engine_tokens_are_the_same_deferred_or_not(tiny_model_dir):
     """The tiny random model picks badly, so most deferred picks are refused and
-    picked again: every output (greedy, seeded temperature, a top-p request that
-    stays eager, a free one) is token for token the eager engine's, and every
-    finished JSON output validates."""
+    picked again: every output (greedy, seeded temperature, with penalties, bias
+    and min_tokens, a top-p request that stays eager, a free one) is token for
+    token the eager engine's, and every finished JSON output validates."""
     mk = lambda **kw: SamplingParams(max_tokens=40, **kw)          # noqa: E731
     reqs = [([1, 2, 3, 4], mk(temperature=0, structured_outputs=SO(json=SCHEMA))),
             ([5, 6, 7], mk(temperature=0.9, seed=4, structured_outputs=SO(json=SCHEMA))),
             ([8, 9], mk(temperature=1.2, seed=9, structured_outputs=SO(regex=r"[a-z]{3,9}-[0-9]{2}"))),
             ([10, 11, 12], mk(temperature=0.8, top_p=0.9, seed=1, structured_outputs=SO(json=SCHEMA))),
             ([13, 14], mk(temperature=0, structured_outputs=SO(choice=["yes", "no", "maybe"]))),
+            # penalties, a bias and min_tokens' bans commute with the mask too
+            ([18, 19, 20], mk(temperature=0.9, seed=5, repetition_penalty=1.3, frequency_penalty=0.5,
+                              logit_bias={7: 3.0, 9: -100}, min_tokens=3,
+                              structured_outputs=SO(json=SCHEMA))),
             ([15, 16, 17], mk(temperature=0.7, seed=2))]
     on_ids, on_outs, on_stats = _run(tiny_model_dir, True, reqs)
     off_ids, _, off_stats = _run(tiny_model_dir, False, reqs)
