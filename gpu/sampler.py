@@ -157,6 +157,11 @@ def _race_noise(like: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
     return q.log_().neg_()
 
 
+def _tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] / temperature [B] (greedy rows, temperature 0, divided by 1)."""
+    return logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+
+
 def _race(scaled: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """argmax(log p + g) == argmax(p / q): a draw from softmax(scaled) (== multinomial)."""
     return (scaled + noise).max(-1).indices
@@ -223,8 +228,7 @@ class Sampler:
         if batch.all_greedy:
             chosen = greedy
         else:
-            temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-            scaled = _top_k_top_p_min_p(logits / temp[:, None], batch)
+            scaled = _top_k_top_p_min_p(_tempered(logits, batch.temperature), batch)
             noise = _race_noise(scaled, batch.seeds)
             chosen = torch.where(batch.temperature > 0, _race(scaled, noise), greedy)
         if keep is not None and keep.numel():
@@ -244,8 +248,8 @@ class Sampler:
         chosen = logits.max(-1).indices
         if k.noise is not None:
             temp = k.temperature.index_select(0, kept_rows)
-            scaled = logits / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
-            chosen = torch.where(temp > 0, _race(scaled, k.noise.index_select(0, kept_rows)), chosen)
+            race = _race(_tempered(logits, temp), k.noise.index_select(0, kept_rows))
+            chosen = torch.where(temp > 0, race, chosen)
         return chosen.tolist()
 
 

@@ -12,6 +12,7 @@ import random
 import time
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -126,11 +127,9 @@ def test_resample_is_the_eager_masked_pick(temps):
         logits = torch.randn(n, v, generator=gen) * 3
         allowed = torch.rand(n, v, generator=gen) < (0.02 if trial % 2 else 0.6)
         allowed[torch.arange(n), torch.randint(0, v, (n,), generator=gen)] = True
-        bits = torch.zeros(n, (v + 31) // 32, dtype=torch.int64)
-        for b in range(32):
-            col = allowed[:, b::32].long()
-            bits[:, :col.shape[1]] |= col << b
-        bitmask = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+        packed = np.packbits(allowed.numpy(), axis=1, bitorder="little")   # bit t % 8 of byte t // 8
+        packed = np.pad(packed, ((0, 0), (0, -packed.shape[1] % 4)))
+        bitmask = torch.from_numpy(packed.view(np.int32).copy())             # bit t % 32 of word t // 32
         seeds = [None, 7 + trial, None, 11 * trial, None][:n]
         rows = torch.arange(n)
         torch.manual_seed(trial)
