@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import time
+import weakref
 
 import msgspec
 import zmq
@@ -32,6 +33,24 @@ from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineC
                                      InputMessage)
 
 POLL_MS = 200
+_SHUTDOWN = msgspec.msgpack.encode(EngineShutdown())
+
+
+def _release(ctx: zmq.Context, in_sock: zmq.Socket, proc, tmpdir: str, timeout_s: float) -> None:
+    """Ask the engine to stop, end its process, close the sockets, remove the IPC
+    directory. A module function run by `weakref.finalize` (at `shutdown()`, when the
+    EngineProcess is collected, or at interpreter exit, whichever comes first) so
+    that it holds no reference to the EngineProcess: a `__del__` that ran only in
+    the interpreter's final garbage collection (an `LLM` inside a reference cycle)
+    blocked for ever in `Context.term`."""
+    if proc.is_alive():
+        try:
+            in_sock.send(_SHUTDOWN, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        end_process(proc, timeout_s)
+    ctx.destroy(linger=0)
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 class EngineDiedError(RuntimeError):
@@ -52,6 +71,8 @@ class EngineProcess:
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._out = self._ctx.socket(zmq.PULL)
+        for sock in (self._in, self._out):   # closing never waits for undelivered messages
+            sock.setsockopt(zmq.LINGER, 0)
         in_addr, out_addr = bind_pair(self._in, self._out, self._tmpdir, bind_host)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
@@ -62,6 +83,8 @@ class EngineProcess:
         self.ready_timeout_s = ready_timeout_s
         self.tokenizer = tokenizer
         self._proc = (launcher or start_engine_process)(config, in_addr, out_addr)
+        self._finalizer = weakref.finalize(self, _release, self._ctx, self._in, self._proc,
+                                           self._tmpdir, 2.0)
         if wait:
             self.wait_ready()
 
@@ -96,20 +119,8 @@ class EngineProcess:
         if self._closed:
             return
         self._closed = True
-        if self._proc.is_alive():
-            try:
-                self._in.send(self._encoder.encode(EngineShutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            end_process(self._proc, timeout_s)
-        self._ctx.destroy(linger=0)
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown(timeout_s=2.0)
-        except Exception:
-            pass
+        if self._finalizer.detach() is not None:
+            _release(self._ctx, self._in, self._proc, self._tmpdir, timeout_s)
 
     # -- I/O ---------------------------------------------------------------------
     def _send(self, msg: InputMessage) -> None:

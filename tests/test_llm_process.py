@@ -93,6 +93,34 @@ def test_a_script_without_main_guard_can_use_llm(tiny_model_dir, tmp_path):
     assert run.stdout.splitlines() == ["TOKENS 4", "RAN __main__"]
 
 
+def test_a_script_whose_llm_sits_in_a_reference_cycle_exits(tiny_model_dir, tmp_path):
+    """An `LLM` reachable only through a reference cycle is collected in the
+    interpreter's final garbage collection; the engine's cleanup used to run there
+    (`__del__`) and block for ever in zmq's Context.term. The script must exit at
+    once, its engine process ended and its IPC folder removed."""
+    script = tmp_path / "cycle.py"
+    script.write_text(
+        "import os\n"
+        "from formwork import LLM, SamplingParams\n"
+        "class Holder: pass\n"
+        "h = Holder(); h.me = h\n"
+        f"h.llm = LLM({str(tiny_model_dir)!r}, dtype='float32', num_kv_blocks=32)\n"
+        "out = h.llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=3, "
+        "temperature=0, ignore_eos=True), use_tqdm=False)\n"
+        "print('ENGINE', h.llm.engine.info.pid)\n"
+        "print('IPC', h.llm.engine._tmpdir)\n"
+        "print('TOKENS', len(out[0].outputs[0].token_ids))\n"
+        "del h\n")
+    run = subprocess.run([sys.executable, "-P", str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
+    assert lines["TOKENS"] == "3"
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(lines["ENGINE"]), 0)
+    assert not os.path.exists(lines["IPC"])
+
+
 def test_stale_ipc_dirs_of_dead_processes_are_removed(tmp_path):
     """A SIGKILLed server leaves its ipc folder behind; the next start removes
     folders whose process is gone, never a live process's or another name."""
