@@ -79,18 +79,24 @@ def test_env_switch_keeps_the_engine_in_process(tiny_model_dir, monkeypatch):
 def test_a_script_without_main_guard_can_use_llm(tiny_model_dir, tmp_path):
     """The engine process is spawned without re-running the caller's script (which
     would start engines recursively), so top-level `LLM()` in a script works."""
-    script = tmp_path / "top_level.py"
-    script.write_text(
+    out = run_script(tmp_path, (
         "from formwork import LLM, SamplingParams\n"
         f"llm = LLM({str(tiny_model_dir)!r}, dtype='float32', num_kv_blocks=32)\n"
         "out = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=4, "
         "temperature=0, ignore_eos=True), use_tqdm=False)\n"
         "print('TOKENS', len(out[0].outputs[0].token_ids))\n"
-        "print('RAN', __name__)\n")
+        "print('RAN', __name__)\n"), timeout=300)
+    assert out.splitlines() == ["TOKENS 4", "RAN __main__"]
+
+
+def run_script(tmp_path, text: str, timeout: float) -> str:
+    """Run `text` as a script in a fresh interpreter; its stdout (it must exit 0)."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
     run = subprocess.run([sys.executable, "-P", str(script)], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
+                         timeout=timeout, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.splitlines() == ["TOKENS 4", "RAN __main__"]
+    return run.stdout
 
 
 def test_a_script_whose_llm_sits_in_a_reference_cycle_exits(tiny_model_dir, tmp_path):
@@ -98,9 +104,7 @@ def test_a_script_whose_llm_sits_in_a_reference_cycle_exits(tiny_model_dir, tmp_
     interpreter's final garbage collection; the engine's cleanup used to run there
     (`__del__`) and block for ever in zmq's Context.term. The script must exit at
     once, its engine process ended and its IPC folder removed."""
-    script = tmp_path / "cycle.py"
-    script.write_text(
-        "import os\n"
+    out = run_script(tmp_path, (
         "from formwork import LLM, SamplingParams\n"
         "class Holder: pass\n"
         "h = Holder(); h.me = h\n"
@@ -110,11 +114,8 @@ def test_a_script_whose_llm_sits_in_a_reference_cycle_exits(tiny_model_dir, tmp_
         "print('ENGINE', h.llm.engine.info.pid)\n"
         "print('IPC', h.llm.engine._tmpdir)\n"
         "print('TOKENS', len(out[0].outputs[0].token_ids))\n"
-        "del h\n")
-    run = subprocess.run([sys.executable, "-P", str(script)], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-2000:]
-    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
+        "del h\n"), timeout=120)
+    lines = dict(line.split(" ", 1) for line in out.splitlines())
     assert lines["TOKENS"] == "3"
     with pytest.raises(ProcessLookupError):
         os.kill(int(lines["ENGINE"]), 0)
