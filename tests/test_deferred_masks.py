@@ -1,14 +1,16 @@
 """Deferred grammar masks: a greedy or temperature-only constrained request is
 sampled without its mask, the pick is checked by its matcher, and only a refused
-pick is made again with the mask. The tokens must be exactly those an eager
-mask gives, which rests on two facts tested here: a matcher's `accepts` agrees
-with the mask it fills, and the sampler's second, masked pick over the same
-logits and noise is the eager pick."""
+pick is made again with the mask. Greedy tokens must be exactly those an eager
+mask gives and sampled ones must have exactly the masked distribution, which
+rests on facts tested here: a matcher's `accepts` agrees with the mask it fills,
+the sampler's masked re-pick over the same logits is the eager greedy pick, and
+its accept-or-redraw frequencies are the masked softmax."""
 from __future__ import annotations
 
 import json
 import pathlib
 import random
+import re
 import time
 
 import jsonschema
@@ -115,37 +117,64 @@ def _batch(temps, seeds):
                          all_token_ids=None, max_num_logprobs=None, num_logprobs=[None] * n)
 
 
-@pytest.mark.parametrize("temps", [[0.0] * 5, [0.0, 0.7, 1.0, 1.3, 0.0], [1.0] * 5])
-def test_resample_is_the_eager_masked_pick(temps):
-    """Same logits, same seeds: deferring the mask (pick, check, pick again masked
-    where refused) gives the eager pick on every row, seeded rows and rows drawing
-    from the process-wide generator alike."""
-    v, n = 3000, len(temps)
+def _packed(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [n, v] -> int32 bitmask words (bit t % 32 of word t // 32)."""
+    packed = np.packbits(allowed.numpy(), axis=1, bitorder="little")   # bit t % 8 of byte t // 8
+    packed = np.pad(packed, ((0, 0), (0, -packed.shape[1] % 4)))
+    return torch.from_numpy(packed.view(np.int32).copy())
+
+
+def _deferred(logits, batch, allowed, bitmask) -> list[int]:
+    """Pick unmasked, re-pick the refused rows masked: what the engine does."""
+    s, rows = Sampler(), torch.arange(logits.shape[0])
+    picks = s(logits.clone(), batch, keep=rows).token_ids
+    refused = [i for i in range(len(picks)) if not allowed[i, picks[i]]]
+    if refused:
+        for i, t in zip(refused, s.resample(torch.tensor(refused), bitmask[refused])):
+            picks[i] = t
+    return picks
+
+
+def test_resample_is_the_eager_masked_pick_when_greedy():
+    """Same logits: deferring the mask of greedy rows gives the eager pick on every
+    row; sampled rows beside them always end on an allowed token."""
+    temps, v, n = [0.0, 0.7, 0.0, 1.3, 0.0], 3000, 5
     gen = torch.Generator().manual_seed(1)
-    differs = 0
+    refused = 0
     for trial in range(40):
         logits = torch.randn(n, v, generator=gen) * 3
         allowed = torch.rand(n, v, generator=gen) < (0.02 if trial % 2 else 0.6)
         allowed[torch.arange(n), torch.randint(0, v, (n,), generator=gen)] = True
-        packed = np.packbits(allowed.numpy(), axis=1, bitorder="little")   # bit t % 8 of byte t // 8
-        packed = np.pad(packed, ((0, 0), (0, -packed.shape[1] % 4)))
-        bitmask = torch.from_numpy(packed.view(np.int32).copy())             # bit t % 32 of word t // 32
-        seeds = [None, 7 + trial, None, 11 * trial, None][:n]
-        rows = torch.arange(n)
-        torch.manual_seed(trial)
-        eager = Sampler()(logits.clone(), _batch(temps, seeds), bitmask, rows).token_ids
-        torch.manual_seed(trial)
-        s = Sampler()
-        picks = s(logits.clone(), _batch(temps, seeds), keep=rows).token_ids
-        refused = [i for i in range(n) if not allowed[i, picks[i]]]
-        if refused:
-            again = s.resample(torch.tensor(refused), bitmask[refused])
-            for i, t in zip(refused, again):
-                picks[i] = t
-        differs += len(refused)
-        assert picks == eager, (trial, picks, eager)
+        bitmask = _packed(allowed)
+        batch = _batch(temps, [None, 7 + trial, None, None, None])
+        eager = Sampler()(logits.clone(), batch, bitmask, torch.arange(n)).token_ids
+        picks = _deferred(logits, batch, allowed, bitmask)
+        refused += sum(not allowed[i, logits[i].argmax()] for i in (0, 2, 4))
+        assert [picks[i] for i in (0, 2, 4)] == [eager[i] for i in (0, 2, 4)], trial
         assert all(allowed[i, t] for i, t in enumerate(picks))
-    assert differs > 20          # the resample path really ran
+        assert all(allowed[i, t] for i, t in enumerate(eager))
+    assert refused > 20          # the resample path really ran
+
+
+@pytest.mark.parametrize("temp", [0.7, 1.3])
+def test_accept_or_redraw_has_the_masked_distribution(temp):
+    """Sampled rows: the deferred pick (unmasked draw, redraw masked when refused)
+    and the eager masked pick both follow softmax(logits / T) over the allowed
+    tokens; a disallowed token is never returned."""
+    v, n = 12, 20000
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 3.0, 2.5, -1.0, 0.2, 1.1, -2.0]])
+    allowed = torch.zeros(1, v, dtype=torch.bool)
+    allowed[0, [1, 2, 4, 5, 9]] = True                    # the two likeliest tokens refused
+    ref = torch.where(allowed[0], logits[0] / temp, torch.tensor(float("-inf"))).softmax(-1)
+    many, mask = logits.repeat(n, 1), allowed.repeat(n, 1)
+    bitmask = _packed(mask)
+    batch = _batch([temp] * n, [None] * n)
+    torch.manual_seed(3)
+    for picks in (_deferred(many, batch, mask, bitmask),
+                  Sampler()(many.clone(), batch, bitmask, torch.arange(n)).token_ids):
+        freq = torch.bincount(torch.tensor(picks), minlength=v).float() / n
+        assert (freq[~allowed[0]] == 0).all()
+        assert torch.allclose(freq, ref, atol=0.015), (freq, ref)
 
 
 def test_only_commuting_sampling_defers():
@@ -209,9 +238,11 @@ def _run(model_dir, defer: bool, reqs):
 
 def test_engine_tokens_are_the_same_deferred_or_not(tiny_model_dir):
     """The tiny random model picks badly, so most deferred picks are refused and
-    picked again: every output (greedy, seeded temperature, with penalties, bias
-    and min_tokens, a top-p request that stays eager, a free one) is token for
-    token the eager engine's, and every finished JSON output validates."""
+    picked again: greedy outputs, a top-p request (it stays eager) and a free one
+    are token for token the eager engine's; seeded temperature requests (one with
+    penalties, a bias and min_tokens) are redrawn where refused, so they are the
+    same on a second deferred run, not the eager tokens; every finished output
+    is in its grammar."""
     mk = lambda **kw: SamplingParams(max_tokens=40, **kw)          # noqa: E731
     reqs = [([1, 2, 3, 4], mk(temperature=0, structured_outputs=SO(json=SCHEMA))),
             ([5, 6, 7], mk(temperature=0.9, seed=4, structured_outputs=SO(json=SCHEMA))),
@@ -224,8 +255,14 @@ def test_engine_tokens_are_the_same_deferred_or_not(tiny_model_dir):
                               structured_outputs=SO(json=SCHEMA))),
             ([15, 16, 17], mk(temperature=0.7, seed=2))]
     on_ids, on_outs, on_stats = _run(tiny_model_dir, True, reqs)
-    off_ids, _, off_stats = _run(tiny_model_dir, False, reqs)
-    assert on_ids == off_ids
+    off_ids, off_outs, off_stats = _run(tiny_model_dir, False, reqs)
+    again_ids, _, _ = _run(tiny_model_dir, True, reqs)
+    eager_equal = (0, 3, 4, 6)                  # greedy, top-p (never deferred), free
+    assert [on_ids[i] for i in eager_equal] == [off_ids[i] for i in eager_equal]
+    assert again_ids == on_ids                  # seeded redraws are reproducible
+    assert on_ids != off_ids                    # (the sampled ones did take the redraw path)
+    for out in (on_outs[2], off_outs[2]):
+        assert out.finish_reason != "stop" or re.fullmatch(r"[a-z]{3,9}-[0-9]{2}", out.text)
     assert on_stats.deferred_checks > 10 and on_stats.deferred_refused > 0
     assert off_stats.deferred_checks == 0
     finished = 0

@@ -107,6 +107,28 @@ def test_sampling_distribution_matches_softmax_with_top_k_top_p():
     assert torch.allclose(freq, ref, atol=0.03)
 
 
+@pytest.mark.parametrize("vocab", [1000, 997, 4096])
+def test_draw_matches_the_masked_softmax_across_blocks(vocab):
+    """The two-level inverse-CDF draw (block sums, then one block) against the
+    softmax over the allowed tokens: scattered allowed tokens in far blocks, whole
+    blocks without any (probability 0), a prime vocabulary (blocks of one token);
+    a masked token is never drawn."""
+    gen = torch.Generator().manual_seed(5)
+    allowed = sorted({3, 4, vocab // 2, vocab // 2 + 1, vocab - 2, vocab - 1}
+                     | set(torch.randint(0, vocab, (6,), generator=gen).tolist()))
+    logits = torch.randn(1, vocab, generator=gen) * 2
+    ref = torch.full((vocab,), float("-inf"))
+    ref[allowed] = logits[0, allowed]
+    ref = ref.softmax(-1)
+    n = 20000
+    b = batch_for(n, temperature=torch.ones(n), all_greedy=False)
+    torch.manual_seed(6)
+    toks = Sampler()(logits.repeat(n, 1), b, pack([allowed] * n, vocab), torch.arange(n)).token_ids
+    freq = torch.bincount(torch.tensor(toks), minlength=vocab).float() / n
+    assert set(toks) <= set(allowed)
+    assert torch.allclose(freq, ref, atol=0.015), (freq[allowed], ref[allowed])
+
+
 def test_min_p_excludes_unlikely_tokens():
     logits = torch.tensor([[5.0, 4.9, 0.0, -1.0]])
     n = 500
