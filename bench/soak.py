@@ -85,8 +85,8 @@ def storm_schema(i: int) -> dict:
             "additionalProperties": False}
 
 
-def body_for(kind: str, schema: dict | None, max_tokens: int, stream: bool) -> dict:
-    body = {"model": "m", "messages": JSON_ASK if schema else PLAIN, "max_tokens": max_tokens,
+def body_for(kind: str, schema: dict | None, max_tokens: int, stream: bool, model: str = "m") -> dict:
+    body = {"model": model, "messages": JSON_ASK if schema else PLAIN, "max_tokens": max_tokens,
             "temperature": 0.7, "stream": stream}
     if schema is not None:
         body["response_format"] = {"type": "json_schema",
@@ -192,11 +192,12 @@ def engine_pid(server_pid: int) -> int | None:
     return max(kids, key=lambda k: k.memory_info().rss).pid if kids else None
 
 
-async def small_latencies(client: httpx.AsyncClient, stop: asyncio.Event | None, n: int) -> list[float]:
+async def small_latencies(client: httpx.AsyncClient, stop: asyncio.Event | None, n: int,
+                          model: str = "m") -> list[float]:
     out = []
     while (stop is None and len(out) < n) or (stop is not None and not stop.is_set()):
         t0 = time.perf_counter()
-        r = await client.post("/v1/chat/completions", json=body_for("small", None, 4, False))
+        r = await client.post("/v1/chat/completions", json=body_for("small", None, 4, False, model))
         if r.status_code == 200:
             out.append(time.perf_counter() - t0)
         await asyncio.sleep(0.1)
@@ -239,18 +240,43 @@ async def main_phase(client, args, server_pid: int) -> tuple[list[Outcome], dict
     return list(outcomes), info
 
 
-async def storm_phase(client, args, with_schemas: bool, round_: int
+async def storm_phase(client, args, with_schemas: bool, round_: int, model: str = "m"
                       ) -> tuple[list[Outcome], list[float]]:
+    """--storm requests at once (each with a distinct 60-property schema, or none)
+    while small plain requests run one at a time; (their outcomes, the latencies)."""
     stop = asyncio.Event()
-    lat_task = asyncio.create_task(small_latencies(client, stop, 0))
+    lat_task = asyncio.create_task(small_latencies(client, stop, 0, model))
     await asyncio.sleep(0.2)
     schemas = [storm_schema(round_ * args.storm + i) if with_schemas else None
                for i in range(args.storm)]
     outcomes = await asyncio.gather(*(
-        one(client, "storm", body_for("storm", s, args.storm_max_tokens, False), s, False)
+        one(client, "storm", body_for("storm", s, args.storm_max_tokens, False, model), s, False)
         for s in schemas))
     stop.set()
     return list(outcomes), await lat_task
+
+
+async def measure_storm(url: str, model: str, rounds: int, storm: int = 100,
+                        max_tokens: int = 24) -> dict:
+    """The storm alone against any OpenAI-compatible server (bench/vs_vllm.py): p50 ms
+    of the small plain requests idle, during `storm` distinct-schema requests, during
+    the same storm without schemas; `rounds` rounds of new schemas."""
+    args = argparse.Namespace(storm=storm, storm_max_tokens=max_tokens)
+    lat: dict = {"idle": [], "schemas": [], "plain": []}
+    answered = invalid = 0
+    async with httpx.AsyncClient(base_url=url, timeout=600.0,
+                                 limits=httpx.Limits(max_connections=storm + 20)) as client:
+        await small_latencies(client, None, 3, model)            # warm-up
+        lat["idle"] = await small_latencies(client, None, 20, model)
+        for r in range(rounds):
+            for key in ("schemas", "plain"):
+                outs, got = await storm_phase(client, args, key == "schemas", r, model)
+                answered += sum(o.status == "answered" for o in outs)
+                invalid += sum(o.valid is False for o in outs)
+                lat[key] += got
+    res = {k: 1000 * p50(v) for k, v in lat.items()}
+    return res | {"answered": answered, "invalid": invalid, "requests": 2 * storm * rounds,
+                  "load1": os.getloadavg()[0]}
 
 
 async def kv_held(client) -> float | None:

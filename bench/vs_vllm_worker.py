@@ -64,8 +64,8 @@ class System:
             self._token_prompt = lambda ids: TokensPrompt(prompt_token_ids=ids)
         self.SP, self.SO = SamplingParams, StructuredOutputsParams
 
-    def params(self, max_tokens: int, *, schema=None, ignore_eos=False):
-        kw = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": ignore_eos}
+    def params(self, max_tokens: int, *, schema=None, ignore_eos=False, temperature=0.0):
+        kw = {"temperature": temperature, "max_tokens": max_tokens, "ignore_eos": ignore_eos}
         if schema is not None:
             kw["structured_outputs"] = self.SO(json=schema)
         return self.SP(**kw)
@@ -84,11 +84,12 @@ def mixed_requests(tok, n: int) -> list[tuple[list[int], int]]:
     return mixed_workload(tok, n, seed=0)
 
 
-def run_mixed(sys_, tok, args):
+def run_mixed(sys_, tok, args, temperature: float = 0.0):
     reqs = mixed_requests(tok, args.num_requests)
-    sys_.generate_ids([p for p, _ in reqs[:2]], [sys_.params(o, ignore_eos=True) for _, o in reqs[:2]])
+    params = [sys_.params(o, ignore_eos=True, temperature=temperature) for _, o in reqs]
+    sys_.generate_ids([p for p, _ in reqs[:2]], params[:2])
     t0 = time.perf_counter()
-    counts = sys_.generate_ids([p for p, _ in reqs], [sys_.params(o, ignore_eos=True) for _, o in reqs])
+    counts = sys_.generate_ids([p for p, _ in reqs], params)
     dt = time.perf_counter() - t0
     assert counts == [o for _, o in reqs], "a request produced a different token count"
     total = sum(len(p) for p, _ in reqs) + sum(counts)
@@ -151,8 +152,15 @@ def run_batch1(sys_, tok, args):
     return {"decode_ms_per_token": statistics.median(diffs) * 1e3, "load1": os.getloadavg()[0]}
 
 
-WORKLOADS = {"mixed": run_mixed, "structured": run_structured, "early_stop": run_early_stop,
-             "b1": run_batch1}
+def run_mixed_sampled(sys_, tok, args):
+    """The mixed workload at temperature 1 (OpenAI's default): the sampler's own cost.
+    Run in a fresh process (bench/vs_vllm.py): the greedy run's prompts would be
+    prefix-cache hits."""
+    return run_mixed(sys_, tok, args, temperature=1.0)
+
+
+WORKLOADS = {"mixed": run_mixed, "mixed_sampled": run_mixed_sampled, "structured": run_structured,
+             "early_stop": run_early_stop, "b1": run_batch1}
 
 
 def main(argv=None) -> int:

@@ -30,6 +30,19 @@ def test_table_ratios(capsys):
     assert "| 20.0 | 30.0 | **1.50** (vLLM ms ÷ formwork ms) |" in out      # lower is better
 
 
+def test_table_storm_rows(capsys):
+    vs = _load("vs_vllm")
+    def res(idle, schemas, plain):
+        return {"storm": {"idle": idle, "schemas": schemas, "plain": plain, "answered": 400,
+                          "invalid": 0, "requests": 400, "load1": 1.0}}
+    vs.print_table({"formwork": res(100.0, 300.0, 200.0), "vllm": res(120.0, 240.0, 180.0)},
+                   ["formwork", "vllm"])
+    out = capsys.readouterr().out
+    assert "| ... during 100 distinct-schema requests, ms | 300.0 | 240.0 | **0.80**" in out
+    assert "| schema storm ÷ idle (#13 goal: <= 2) | 3.00 | 2.00 | **0.67**" in out
+    assert "formwork storm requests answered: 400 of 400, invalid 0" in out
+
+
 def test_worker_imports_no_formwork():
     import subprocess
     code = ("import sys; sys.modules['formwork'] = None; sys.argv = ['w']; "
