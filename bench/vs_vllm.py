@@ -1,6 +1,6 @@
 """formwork next to vLLM's CPU build, side by side in one run, same model folder.
 
-    python bench/vs_vllm.py                      # everything (~15 min on 2 cores)
+    python bench/vs_vllm.py                      # everything (~20 min on 2 cores)
     python bench/vs_vllm.py --sections offline   # offline workloads only
     python bench/vs_vllm.py --sections server,contention,storm
 
