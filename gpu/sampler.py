@@ -191,9 +191,9 @@ def _block(vocab: int) -> int:
 
 def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row from probs [B, V] (not necessarily normalised) by inverse
-    CDF, u [B] in (0, 1]: the first token whose cumulative probability reaches u * total. Two levels
-    (block sums, then the one block the target falls in), because a cumulative sum
-    over the whole vocabulary is the slowest pass here. A token of probability 0
+    CDF, u [B] in (0, 1]: the first token whose cumulative probability reaches
+    u * total. Two levels (block sums, then the one block the target falls in),
+    because a cumulative sum over the whole vocabulary is the slowest pass here. A token of probability 0
     (masked, filtered: -inf) spans no interval and is never drawn; the fallback to
     the row's most likely token only guards against rounding at a block edge."""
     rows, vocab = probs.shape
