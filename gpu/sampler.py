@@ -193,9 +193,10 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row from probs [B, V] (not necessarily normalised) by inverse
     CDF, u [B] in (0, 1]: the first token whose cumulative probability reaches
     u * total. Two levels (block sums, then the one block the target falls in),
-    because a cumulative sum over the whole vocabulary is the slowest pass here. A token of probability 0
-    (masked, filtered: -inf) spans no interval and is never drawn; the fallback to
-    the row's most likely token only guards against rounding at a block edge."""
+    because a cumulative sum over the whole vocabulary is the slowest pass here.
+    A token of probability 0 (masked, filtered: -inf) spans no interval and is
+    never drawn; the fallback to the row's most likely token only guards against
+    rounding at a block edge."""
     rows, vocab = probs.shape
     size = _block(vocab)
     blocks = probs.view(rows, vocab // size, size)
@@ -291,11 +292,11 @@ class Sampler:
         assert k is not None, "resample without kept rows"
         logits = k.logits.index_select(0, kept_rows)
         apply_bitmask(logits, bitmask)
-        chosen = logits.max(-1).indices
+        top = logits.max(-1, keepdim=True)
+        chosen = top.indices[:, 0]
         if k.redraw is not None:
             temp = k.temperature.index_select(0, kept_rows)
-            drawn = _draw(_weights(logits, temp, logits.max(-1, keepdim=True).values),
-                          k.redraw.index_select(0, kept_rows))
+            drawn = _draw(_weights(logits, temp, top.values), k.redraw.index_select(0, kept_rows))
             chosen = torch.where(temp > 0, drawn, chosen)
         return chosen.tolist()
 
