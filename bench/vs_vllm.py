@@ -13,9 +13,10 @@ What it does:
   which both systems load;
 - offline: each system in its own process (bench/vs_vllm_worker.py) runs the
   mixed workload (64 requests, prompts 20-600, outputs 16-256, ignore_eos;
-  prompt+output tok/s; greedy, then again at temperature 1), the structured batch (32 x 96 tokens under a
-  minLength-800 schema, constrained vs free), early-stop structured (32
-  small-record requests, requests/s) and batch-1 decode (ms per token);
+  prompt+output tok/s; greedy, and at temperature 1 in a second process), the
+  structured batch (32 x 96 tokens under a minLength-800 schema, constrained vs
+  free), early-stop structured (32 small-record requests, requests/s) and
+  batch-1 decode (ms per token);
 - server: each system's OpenAI server on 127.0.0.1, 32 concurrent streamed
   chats, constrained (json_schema, 128 tokens) and free (128 tokens,
   ignore_eos), output tok/s, best of --reps;
