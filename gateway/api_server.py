@@ -80,7 +80,8 @@ async def _start(config: EngineConfig):
     engine, release_engines = make_engine_client(config, on_fatal=exit_for_supervisor)
     starting = asyncio.create_task(engine.start())
     try:
-        tokenizer = await asyncio.to_thread(load_model_tokenizer, config.model)
+        tokenizer = await asyncio.to_thread(load_model_tokenizer, config.model,
+                                             weights=config.load_format != "dummy")
         max_token_chars = await asyncio.to_thread(longest_token_chars, tokenizer)
         tokenizers = await asyncio.to_thread(TokenizerPool, tokenizer)
         engine.set_tokenizer(tokenizer)

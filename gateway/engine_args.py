@@ -52,6 +52,9 @@ FLAGS: dict[str, Flag] = {
     "logprobs_mode": Flag(choices=("raw_logprobs", "processed_logprobs"),
                           help="returned logprobs: the model's own (vLLM's default), or after the "
                                "grammar mask and penalties"),
+    "load_format": Flag(choices=("auto", "dummy"),
+                        help="dummy: build the model from its config.json with random weights "
+                             "(speed and memory measurements without the checkpoint)"),
     "enforce_eager": Flag(help="never capture CUDA graphs: every step runs eagerly (default: decode "
                                "steps replay CUDA graphs on CUDA with the Triton attention backend)"),
     "packed_linears": Flag(help="CPU bf16: call the plain linear instead of oneDNN weights packed "

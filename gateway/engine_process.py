@@ -94,7 +94,8 @@ class EngineProcess:
         wait for the engine's handshake; shut down and re-raise on failure."""
         try:
             if self.tokenizer is None:
-                self.tokenizer = load_model_tokenizer(self.config.model)
+                self.tokenizer = load_model_tokenizer(
+                    self.config.model, weights=self.config.load_format != "dummy")
             info = self._wait_ready(self.ready_timeout_s)
         except BaseException:
             self.shutdown()

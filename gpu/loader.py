@@ -14,16 +14,28 @@ from formwork.gpu.tensor_parallel import parallelize, shard_config, shard_hf_wei
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype, device: torch.device,
-               attn_backend=None, ops=None, tp=None):
+               attn_backend=None, ops=None, tp=None, load_format: str = "auto"):
     """Build `LlamaForCausalLM` from `model_dir`/config.json and its safetensors.
     `attn_backend` (an AttentionBackend, the model's for life) defaults to the
     torch backend, `ops` (gpu.model.LayerOps) to the torch reference ops. With `tp` (a gpu.tensor_parallel.TPGroup) the model is this
     rank's shard: the full
     checkpoint is read, then sliced (fine for small models; a per-rank read of
-    only its slices would matter for large ones)."""
+    only its slices would matter for large ones). `load_format="dummy"` reads
+    config.json alone and draws random weights on `device` (benchmarks of a
+    model shape whose checkpoint is not at hand)."""
     model_dir = pathlib.Path(model_dir)
-    check_model_dir(model_dir)
+    check_model_dir(model_dir, weights=load_format != "dummy")
     config = ModelConfig.from_dir(model_dir)
+    if load_format == "dummy":
+        if tp is not None:
+            config = shard_config(config, tp.size)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, attn_backend, ops)
+        model.init_dummy_weights(dtype=dtype, device=torch.device(device),
+                                 seed=0 if tp is None else tp.rank)
+        if tp is not None:
+            parallelize(model, tp)
+        return model.eval()
     hf_weights: dict[str, torch.Tensor] = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
         hf_weights.update(load_file(str(shard)))

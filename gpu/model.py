@@ -226,6 +226,20 @@ class LlamaForCausalLM(nn.Module):
         """hidden [n, hidden] -> logits [n, vocab] float32."""
         return self.lm_head(hidden).float()
 
+    def init_dummy_weights(self, *, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+        """Random weights, uniform in [-1e-3, 1e-3] as vLLM's `load_format="dummy"`:
+        for speed and memory measurements without the checkpoint (a realistic
+        shape from its config.json alone). Materialised on `device` directly."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for module in self.modules():   # each parameter allocated once, in `dtype`
+            for name, p in module.named_parameters(recurse=False):
+                w = torch.empty(p.shape, dtype=dtype, device=device).uniform_(-1e-3, 1e-3, generator=gen)
+                setattr(module, name, nn.Parameter(w, requires_grad=False))
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary.reset(device, dtype)
+        self.requires_grad_(False)
+
     def load_hf_weights(self, hf: dict[str, torch.Tensor], *, dtype: torch.dtype,
                         device: torch.device) -> None:
         """Assign HF-named weights (fusing q/k/v and gate/up), then build RoPE caches."""

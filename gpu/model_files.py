@@ -32,7 +32,7 @@ def cache_root() -> pathlib.Path:
     return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "formwork"
 
 
-def resolve_model(model: str | None) -> pathlib.Path:
+def resolve_model(model: str | None, *, weights: bool = True) -> pathlib.Path:
     """Return a local HF-format directory for `model` (None -> the default).
 
     Accepts the default model's names, a `.gguf` file, or a local HF directory
@@ -51,18 +51,19 @@ def resolve_model(model: str | None) -> pathlib.Path:
         if path.suffix != ".gguf":
             raise ValueError(f"model {model!r}: a file must be a .gguf; otherwise pass a directory")
         path = _gguf_to_hf_dir(path)
-    check_model_dir(path)
+    check_model_dir(path, weights=weights)
     return path
 
 
-def check_model_dir(path: pathlib.Path) -> None:
-    """Raise unless `path` holds a supported HF Llama-family checkpoint."""
+def check_model_dir(path: pathlib.Path, *, weights: bool = True) -> None:
+    """Raise unless `path` holds a supported HF Llama-family checkpoint (its
+    config.json alone when not `weights`)."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(
             f"model directory {str(path)!r} has no config.json; expected an HF-format "
             "directory (config.json, *.safetensors, tokenizer files)")
-    if not any(path.glob("*.safetensors")):
+    if weights and not any(path.glob("*.safetensors")):
         raise FileNotFoundError(
             f"model directory {str(path)!r} has no *.safetensors weights; convert the "
             "checkpoint with transformers `save_pretrained(..., safe_serialization=True)`")
@@ -153,10 +154,10 @@ def load_tokenizer(model_dir: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def load_model_tokenizer(model: str | None):
+def load_model_tokenizer(model: str | None, *, weights: bool = True):
     """The tokenizer of `model` (None -> the default model), resolved as
     `resolve_model` does."""
-    return load_tokenizer(resolve_model(model))
+    return load_tokenizer(resolve_model(model, weights=weights))
 
 
 def _declared_tokenizer_class(model_dir: pathlib.Path) -> str | None:

@@ -43,6 +43,7 @@ class EngineConfig:
     # after grammar mask and penalties ("processed_logprobs", ruled-out entries left out)
     logprobs_mode: str = "raw_logprobs"
     seed: int = 0
+    load_format: str = "auto"           # "dummy": config.json only, random weights (benchmarks)
     enforce_eager: bool = False          # CUDA: skip CUDA-graph capture
     packed_linears: bool = True          # CPU bf16: oneDNN weights packed once (gpu/cpu_linear.py)
     fused_elementwise: bool = True       # CPU bf16: norm/rotary/silu in C++ (kernels/cpu_fused_ops.py)
@@ -61,6 +62,8 @@ class EngineConfig:
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError("logprobs_mode: must be raw_logprobs or processed_logprobs, "
                              f"got {self.logprobs_mode!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: must be auto or dummy, got {self.load_format!r}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size: must be >= 1, got {self.data_parallel_size}")
         if self.tensor_parallel_size < 1:

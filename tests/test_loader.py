@@ -165,3 +165,34 @@ def test_tiny_dir_loads_with_tokenizer(tiny_model_dir):
     q = hf["model.layers.1.self_attn.q_proj.weight"].to(torch.bfloat16)
     assert torch.equal(model.model.layers[1].self_attn.qkv_proj.weight[:64], q)
     assert load_tokenizer(tiny_model_dir).chat_template
+
+
+def test_dummy_load_format_needs_config_only(tmp_path, tiny_model_dir):
+    """load_format="dummy" (vLLM's name): a directory with config.json and tokenizer
+    files but no weights builds the model's shape with random weights in [-1e-3, 1e-3],
+    and serves; the default load format still refuses that directory."""
+    import shutil
+
+    from formwork import LLM, SamplingParams
+
+    for f in tiny_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_model(tmp_path, dtype=torch.float32, device=torch.device("cpu"))
+    model = load_model(tmp_path, dtype=torch.bfloat16, device=torch.device("cpu"), load_format="dummy")
+    params = dict(model.named_parameters())
+    assert params and all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in params.values())
+    assert all(p.abs().max() <= 1e-3 and p.float().std() > 1e-4 for p in params.values())
+    assert model.lm_head.weight is model.model.embed_tokens.weight       # tied, as the config says
+    assert model.model.layers[0].self_attn.qkv_proj.weight.shape == ((4 + 2 * 2) * 16, 64)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        LLM(str(tmp_path), engine_process=False, device="cpu")
+    llm = LLM(str(tmp_path), load_format="dummy", engine_process=False, device="cpu", dtype="float32",
+              num_kv_blocks=64)
+    out = llm.generate(["Hello there"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+    llm.shutdown()
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(str(tmp_path), load_format="pt", engine_process=False)
