@@ -94,7 +94,7 @@ def test_block_boundaries(offset):
     _check(specs, 6, 2, HEAD_DIMS[-1], bs, torch.float32, seed=offset + 5)
 
 
-@pytest.mark.parametrize("block_m,tile_n", [(64, 32), (16, 16), (32, 64)])
+@pytest.mark.parametrize("block_m,tile_n", [(64, 32), (16, 16), (32, 64), (16, 128)])
 def test_tilings(block_m, tile_n):
     """Tall query tiles (chosen for prefill-heavy batches), key tiles smaller
     and larger than a KV block (block size 32)."""
