@@ -51,7 +51,8 @@ def run_formwork(args, reqs):
     from formwork import LLM
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads)
+              max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+              load_format=args.load_format)
     load = time.perf_counter() - t0
     dt, n_out = timed_generate(llm, reqs)
     stats = llm.get_stats()
@@ -108,6 +109,8 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights from config.json alone (implies --skip-hf)")
     ap.add_argument("--hf-max-batches", type=int, default=0,
                     help="run only the first N HF static batches (the baseline is slow on 2 cores); "
                          "its tok/s is measured over those requests")
@@ -118,8 +121,10 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     from formwork.gpu.model_files import load_model_tokenizer, resolve_model
-    model_dir = resolve_model(args.model)
-    tok = load_model_tokenizer(args.model)
+    weights = args.load_format != "dummy"
+    args.skip_hf = args.skip_hf or not weights
+    model_dir = resolve_model(args.model, weights=weights)
+    tok = load_model_tokenizer(args.model, weights=weights)
     reqs = make_workload(tok, args.num_requests, args.seed)
     res = {"workload": {"requests": len(reqs), "prompt_tokens": sum(len(p) for p, _ in reqs),
                         "output_tokens": sum(o for _, o in reqs)},

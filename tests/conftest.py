@@ -38,9 +38,11 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_model_dir) -> pathlib.Path:
+def tiny_model_dir(tmp_path_factory, request) -> pathlib.Path:
     """A 2-layer random-weight Llama (hidden 64, 4 heads, 2 KV heads, head_dim 16)
-    with the default model's tokenizer, saved in HF format."""
+    with the default model's tokenizer, saved in HF format. The tokenizer files
+    come from $FORMWORK_TEST_TOKENIZER_DIR where set (a GPU machine, which has no
+    default model: bench/gpu_check.sh carries them), else the default model."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -58,8 +60,10 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> pathlib.Path:
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(out, safe_serialization=True)
+    env = os.environ.get("FORMWORK_TEST_TOKENIZER_DIR")
+    source = pathlib.Path(env) if env else request.getfixturevalue("default_model_dir")
     for name in TOKENIZER_FILES:
-        src = default_model_dir / name
+        src = source / name
         if src.is_file():
             shutil.copy(src, out / name)
     return out

@@ -28,7 +28,7 @@ def run_mode(args, eager: bool, workloads: dict[int, list[list[int]]]) -> dict:
     t0 = time.perf_counter()
     # in-process: the benchmark reads the runner's graph/eager step counts
     llm = LLM(args.model, engine_process=False, dtype=args.dtype, device=args.device,
-              enforce_eager=eager,
+              enforce_eager=eager, load_format=args.load_format,
               max_num_seqs=max_bs, block_size=args.block_size, num_kv_blocks=max_bs * per_seq + 16,
               max_num_batched_tokens=max(2048, args.prompt_len))
     res = {"start_s": time.perf_counter() - t0, "graph_sizes": list(llm.engine.info.cuda_graph_sizes),
@@ -70,10 +70,12 @@ def main(argv=None) -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights from config.json alone (bench/gpu/random_model.py)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
     from formwork.gpu.model_files import resolve_model
-    args.model = str(resolve_model(args.model))
+    args.model = str(resolve_model(args.model, weights=args.load_format != "dummy"))
     rng = random.Random(args.seed)
     sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
     workloads = {b: [[rng.randrange(100, 10000) for _ in range(args.prompt_len)] for _ in range(b)]

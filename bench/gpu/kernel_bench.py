@@ -192,7 +192,7 @@ def main() -> None:
         prefill = [(8, 512, 2048, 9, 3, 64, 16, bf16), (4, 1024, 1024, 32, 8, 128, 16, bf16),
                    (4, 1024, 4096, 32, 8, 128, 16, bf16)]
         batches, vocab, reps, copy_bytes = [1, 64, 512], 49152, 50, 1 << 30
-        tilings = [(16, 16), (16, 64), (64, 64), (128, 32)]
+        tilings = [(16, 32), (16, 64), (16, 128), (32, 64), (64, 32), (64, 64), (128, 32), (128, 64)]
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"}
     result["copy_GBps"] = copy_rate(device, copy_bytes) / 1e9
     print(f"## kernels on {result['device']}\n\ncopy rate (read + write): "
@@ -201,7 +201,8 @@ def main() -> None:
     for name, cases in (("decode attention", decode), ("prefill attention", prefill)):
         result[name] = attention_rows(cases, device, reps)
         print(f"### {name}\n\n{markdown(result[name])}\n", flush=True)
-    result["tiling"] = tiling_rows([decode[-1], prefill[-1]], tilings, device, reps)
+    cases = list(dict.fromkeys(decode[:1] + decode[-2:] + prefill[:1] + prefill[-1:]))
+    result["tiling"] = tiling_rows(cases, tilings, device, reps)
     print(f"### paged_attention tilings (block_m, tile_n)\n\n{markdown(result['tiling'])}\n",
           flush=True)
     result["bitmask"] = bitmask_rows(batches, vocab, device, reps)
