@@ -110,7 +110,7 @@ def build_rank(config: EngineConfig, model_dir, device: torch.device,
     fused = config.fused_elementwise and device.type == "cpu" and dtype == torch.bfloat16 \
         and cpu_fused_ops.available()
     model = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend,
-                       ops=CPU_FUSED_OPS if fused else None, tp=tp)
+                       ops=CPU_FUSED_OPS if fused else None, tp=tp, load_format=config.load_format)
     if config.packed_linears and packing_supported(dtype, device):
         n = pack_linears(model)
         if tp is None or tp.rank == 0:
