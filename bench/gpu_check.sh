@@ -81,7 +81,7 @@ else:
 PY
 
 # -- 2. kernel tests
-TESTS="tests/test_kernels_bitmask.py tests/test_kernels_kv_store.py tests/test_kernels_paged_attention.py tests/test_kernels_engine.py tests/test_cuda_graph.py"
+TESTS="tests/test_kernels_fused.py tests/test_kernels_bitmask.py tests/test_kernels_kv_store.py tests/test_kernels_paged_attention.py tests/test_kernels_engine.py tests/test_cuda_graph.py"
 if ! want tests; then
   skip_step "kernel tests" "not in GPU_CHECK_STEPS"
 elif [ $DRY = 1 ]; then

@@ -59,8 +59,8 @@ FLAGS: dict[str, Flag] = {
                                "steps replay CUDA graphs on CUDA with the Triton attention backend)"),
     "packed_linears": Flag(help="CPU bf16: call the plain linear instead of oneDNN weights packed "
                                 "at load"),
-    "fused_elementwise": Flag(help="CPU bf16: run norms, rotary and silu as separate torch ops, not "
-                                   "fused C++ ones"),
+    "fused_elementwise": Flag(help="run norms, rotary and silu as separate torch ops, not the fused "
+                                   "C++ ones (CPU bf16) or Triton ones (CUDA)"),
     "data_parallel_size": Flag(aliases=("-dp",),
                                help="engine processes behind this gateway, each with its own "
                                     "scheduler and KV cache; requests routed by load and prefix "

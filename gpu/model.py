@@ -19,11 +19,13 @@ from torch import nn
 from formwork.gpu.attention import AttentionBackend, AttentionMetadata
 from formwork.gpu.attention_torch import TorchAttentionBackend
 from formwork.kernels import cpu_fused_ops as fused
+from formwork.kernels import fused_ops as triton_fused
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 # Measured on CPU (fp32, SmolLM2 shapes): two gate/up matmuls beat one fused
 # matmul for small row counts (decode steps), the fused one wins for prefills.
+# CUDA always takes the one matmul and the fused silu_mul.
 _SPLIT_GATE_UP_ROWS = 64
 
 
@@ -105,6 +107,8 @@ class LayerOps:
 
 TORCH_OPS = LayerOps(fused.rms_norm_ref, fused.add_rms_norm_ref, fused.rotary_ref, fused.silu_mul_ref)
 CPU_FUSED_OPS = LayerOps(fused.rms_norm, fused.add_rms_norm, fused.rotary, fused.silu_mul)
+CUDA_FUSED_OPS = LayerOps(triton_fused.rms_norm, triton_fused.add_rms_norm, triton_fused.rotary,
+                          triton_fused.silu_mul)
 
 
 class RMSNorm(nn.Module):
@@ -156,7 +160,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        if x.shape[0] <= _SPLIT_GATE_UP_ROWS and type(self.gate_up_proj) is nn.Linear \
+        if x.shape[0] <= _SPLIT_GATE_UP_ROWS and x.device.type == "cpu" \
+                and type(self.gate_up_proj) is nn.Linear \
                 and self.gate_up_proj.bias is None:       # (a packed linear is faster fused)
             w = self.gate_up_proj.weight  # two contiguous halves: no copy
             gate, up = F.linear(x, w[:self.inter]), F.linear(x, w[self.inter:])

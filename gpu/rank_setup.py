@@ -17,7 +17,7 @@ from formwork.gpu.attention import AttentionBackend, allocate_kv_cache, kv_cache
 from formwork.gpu.attention_select import get_attention_backend
 from formwork.gpu.cpu_linear import pack_linears, packing_supported
 from formwork.gpu.loader import load_model
-from formwork.gpu.model import CPU_FUSED_OPS, ModelConfig
+from formwork.gpu.model import CPU_FUSED_OPS, CUDA_FUSED_OPS, ModelConfig
 from formwork.gpu.tensor_parallel import TPGroup, shard_config
 from formwork.kernels import cpu_fused_ops
 from formwork.schemas.config import EngineConfig
@@ -107,10 +107,14 @@ def build_rank(config: EngineConfig, model_dir, device: torch.device,
     mcfg = ModelConfig.from_dir(model_dir)
     rank_cfg = shard_config(mcfg, tp.size) if tp is not None else mcfg
     backend = get_attention_backend(config.attention_backend, device)
-    fused = config.fused_elementwise and device.type == "cpu" and dtype == torch.bfloat16 \
-        and cpu_fused_ops.available()
+    ops = None                        # the torch reference ops
+    if config.fused_elementwise and device.type == "cuda":
+        ops = CUDA_FUSED_OPS           # Triton (kernels/fused_ops.py)
+    elif config.fused_elementwise and device.type == "cpu" and dtype == torch.bfloat16 \
+            and cpu_fused_ops.available():
+        ops = CPU_FUSED_OPS            # C++ (kernels/cpu_fused_ops.py)
     model = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend,
-                       ops=CPU_FUSED_OPS if fused else None, tp=tp, load_format=config.load_format)
+                       ops=ops, tp=tp, load_format=config.load_format)
     if config.packed_linears and packing_supported(dtype, device):
         n = pack_linears(model)
         if tp is None or tp.rank == 0:

@@ -46,7 +46,7 @@ class EngineConfig:
     load_format: str = "auto"           # "dummy": config.json only, random weights (benchmarks)
     enforce_eager: bool = False          # CUDA: skip CUDA-graph capture
     packed_linears: bool = True          # CPU bf16: oneDNN weights packed once (gpu/cpu_linear.py)
-    fused_elementwise: bool = True       # CPU bf16: norm/rotary/silu in C++ (kernels/cpu_fused_ops.py)
+    fused_elementwise: bool = True       # norm/rotary/silu fused: C++ on CPU bf16, Triton on CUDA
     # scale-out (README "Scaling out"): engines behind one gateway, workers per engine
     data_parallel_size: int = 1          # EngineCore processes, each with its own scheduler and KV cache
     tensor_parallel_size: int = 1        # worker processes per engine, model sharded over torch.distributed
