@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check for a lent GPU (H200; about 8 minutes), results as markdown:
+# One prepared check for a CUDA machine (H200: about 4.5 minutes), results as markdown:
 #   1. torch + triton importable and CUDA visible (clear message if not)
 #   2. kernel tests on CUDA (no interpreter), bf16 included, slow ones too, and
 #      tests/test_cuda_graph.py with real CUDA-graph capture of the decode step

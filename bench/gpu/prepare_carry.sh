@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run where pip reaches a registry, before a GPU session. Fills DEST (default
+# Run where pip reaches a registry, before a run on a GPU machine that has none. Fills DEST (default
 # .gpu_carry/) with what bench/gpu_check.sh needs beside the GPU image's own
 # torch, triton and numpy:
 #   DEST/whl/         cp312 manylinux wheels of formwork's runtime dependencies and
@@ -9,7 +9,7 @@
 #   DEST/model-meta/  the default model's config.json and tokenizer files (the GPU
 #                     side draws random weights, load_format=dummy: the GGUF exceeds
 #                     the 64 MiB that may travel)
-# DEST is in .gitignore; carry it: run(command="bash bench/gpu_check.sh", carry=[".gpu_carry"]).
+# DEST is in .gitignore: copy it to the GPU machine beside the checkout.
 #
 #   PYTHON=.venv/bin/python bash bench/gpu/prepare_carry.sh [DEST]
 set -euo pipefail
