@@ -74,10 +74,12 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _start(config: EngineConfig):
+async def _start(config: EngineConfig, engine_restarts: dict | None = None):
     """(engine, release_engines, tokenizer, tokenizer pool, longest token, info): the
-    engine process loads the model while this one loads the tokenizer."""
-    engine, release_engines = make_engine_client(config, on_fatal=exit_for_supervisor)
+    engine process loads the model while this one loads the tokenizer.
+    `engine_restarts`: EngineClient's max_restarts / restart_backoff_s."""
+    engine, release_engines = make_engine_client(config, on_fatal=exit_for_supervisor,
+                                                 **(engine_restarts or {}))
     starting = asyncio.create_task(engine.start())
     try:
         tokenizer = await asyncio.to_thread(load_model_tokenizer, config.model,
@@ -107,13 +109,14 @@ def _log_ready(config: EngineConfig, names: tuple[str, ...], engine, info, t0: f
                  "blocks", config.data_parallel_size, engine.pids, info.num_kv_blocks)
 
 
-def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None):
+def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None,
+              engine_restarts: dict | None = None):
     """The app's lifespan: start the engine and the tokenizer, serve, shut down."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         t0 = time.monotonic()
         engine, release_engines, tokenizer, tokenizers, max_token_chars, info = \
-            await _start(config)
+            await _start(config, engine_restarts)
         _log_ready(config, names, engine, info, t0)
         app.state.server = ServerState(engine=engine, tokenizer=tokenizer,
                                        served_model_names=names,
@@ -133,11 +136,13 @@ def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None)
 def build_app(config: EngineConfig, *, served_model_names: list[str] | None = None,
               api_key: str | None = None,
               max_request_body_mb: float = DEFAULT_MAX_BODY_MB,
-              admission: Admission | None = None) -> FastAPI:
-    """`admission`: the bound on generation requests in flight (default: none)."""
+              admission: Admission | None = None,
+              engine_restarts: dict | None = None) -> FastAPI:
+    """`admission`: the bound on generation requests in flight (default: none);
+    `engine_restarts`: max_restarts / restart_backoff_s of the engine client."""
     names = tuple(served_model_names or [config.model or DEFAULT_MODEL])
     app = FastAPI(title="formwork", version=version(),
-                  lifespan=_lifespan(config, names, api_key))
+                  lifespan=_lifespan(config, names, api_key, engine_restarts))
     app.state.admission = admission or Admission(None)
     app.state.responses = ResponseStore()      # store/previous_response_id (last 1000)
     install_error_handlers(app)
@@ -153,12 +158,14 @@ def run_server(config: EngineConfig, *, host: str, port: int,
                served_model_names: list[str] | None = None, api_key: str | None = None,
                log_level: str = "info", max_request_body_mb: float = DEFAULT_MAX_BODY_MB,
                max_waiting_requests: int = DEFAULT_MAX_WAITING,
-               drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
+               drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+               engine_restarts: dict | None = None) -> int:
     """Serve until SIGTERM (drained) or SIGINT; the exit status."""
     admission = Admission(max_generating(config.max_num_seqs * config.data_parallel_size,
                                          max_waiting_requests))
     app = build_app(config, served_model_names=served_model_names, api_key=api_key,
-                    max_request_body_mb=max_request_body_mb, admission=admission)
+                    max_request_body_mb=max_request_body_mb, admission=admission,
+                    engine_restarts=engine_restarts)
     server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
                        timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S),

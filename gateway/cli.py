@@ -29,6 +29,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds that requests in flight get to finish after SIGTERM (new ones "
                         "get 503 meanwhile); the rest then end with an error")
+    p.add_argument("--max-engine-restarts", type=int, default=5,
+                   help="consecutive failed restarts of a dead engine after which the server "
+                        "exits non-zero (for an outside supervisor)")
+    p.add_argument("--engine-restart-backoff", type=float, default=1.0,
+                   help="seconds before the first restart of a dead engine; doubled after each "
+                        "failed one, at most 30")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API answers to (default: the model name)")
     p.add_argument("--log-level", default="info",
@@ -51,7 +57,9 @@ def serve(args: argparse.Namespace) -> int:
                       served_model_names=args.served_model_name, api_key=args.api_key,
                       log_level=args.log_level, max_request_body_mb=args.max_request_body_mb,
                       max_waiting_requests=args.max_waiting_requests,
-                      drain_timeout_s=args.drain_timeout)
+                      drain_timeout_s=args.drain_timeout,
+                      engine_restarts=dict(max_restarts=args.max_engine_restarts,
+                                           restart_backoff_s=args.engine_restart_backoff))
 
 
 def check_serve_arguments(args: argparse.Namespace) -> None:
@@ -59,6 +67,11 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests: must be >= 0 (0: no limit), "
                          f"got {args.max_waiting_requests}")
+    if args.max_engine_restarts < 0:
+        raise ValueError(f"--max-engine-restarts: must be >= 0, got {args.max_engine_restarts}")
+    if not 0 < args.engine_restart_backoff <= 30:
+        raise ValueError(f"--engine-restart-backoff: must be a number of seconds in (0, 30], "
+                         f"got {args.engine_restart_backoff}")
     if not 0 <= args.drain_timeout < float("inf"):
         raise ValueError(f"--drain-timeout: must be a number of seconds >= 0, "
                          f"got {args.drain_timeout}")

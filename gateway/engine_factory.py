@@ -36,14 +36,13 @@ def engine_placement(config: EngineConfig) -> tuple[object | None, str | None, C
     return placement.launch, host, placement.shutdown
 
 
-def make_engine_client(config: EngineConfig, *, on_fatal: Callable[[], None] | None = None
-                       ) -> tuple[EngineClient | DPEngineClient, Callable[[], None]]:
-    """The server's engine client and the function that releases the placement."""
+def make_engine_client(config: EngineConfig, *, on_fatal: Callable[[], None] | None = None,
+                       **client_kwargs) -> tuple[EngineClient | DPEngineClient, Callable[[], None]]:
+    """The server's engine client and the function that releases the placement;
+    `client_kwargs` (max_restarts, restart_backoff_s) go to each EngineClient."""
     launcher, bind_host, release = engine_placement(config)
-    if config.data_parallel_size == 1:
-        client = EngineClient(config, on_fatal=on_fatal, launcher=launcher, bind_host=bind_host)
-    else:
-        client = DPEngineClient(config, on_fatal=on_fatal, launcher=launcher, bind_host=bind_host)
+    cls = EngineClient if config.data_parallel_size == 1 else DPEngineClient
+    client = cls(config, on_fatal=on_fatal, launcher=launcher, bind_host=bind_host, **client_kwargs)
     return client, release
 
 

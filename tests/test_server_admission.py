@@ -82,6 +82,8 @@ def test_limit_is_running_plus_waiting(max_num_seqs, max_waiting, limit):
 def test_negative_limits_are_refused_before_start():
     assert main(["serve", "--max-waiting-requests", "-1"]) == 2
     assert main(["serve", "--drain-timeout", "-5"]) == 2
+    assert main(["serve", "--max-engine-restarts", "-1"]) == 2
+    assert main(["serve", "--engine-restart-backoff", "0"]) == 2
 
 
 def test_over_the_limit_is_429_and_every_way_out_gives_the_place_back():

@@ -287,18 +287,21 @@ def test_sigterm_ends_what_outlives_the_drain_timeout_with_errors(tiny_model_dir
 
 
 def test_exits_non_zero_when_the_engine_cannot_be_restarted(tiny_model_dir, tmp_path):
-    """The engine dies and its model is gone: after the restart limit (5 failed
-    restarts, backoff 1+2+4+8+16 s) the server exits with FATAL_EXIT_CODE, so that
-    an outside supervisor takes over."""
+    """The engine dies and its model is gone: after the restart limit (here
+    --max-engine-restarts 3, backoff 0.2+0.4+0.8 s: the defaults, 5 and 1 s, would
+    wait 31 s) the server exits with FATAL_EXIT_CODE, so that an outside supervisor
+    takes over; the log shows the three attempts."""
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
-    server = _tiny_server(model)
+    server = _tiny_server(model, "--max-engine-restarts", "3", "--engine-restart-backoff", "0.2")
     try:
         shutil.rmtree(model)                 # every restart now fails to load the model
         os.kill(_engine_pid(server), signal.SIGKILL)
         _until(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 503)
         rc = server.proc.wait(240)
         assert rc == FATAL_EXIT_CODE != 0, server.logs()
-        assert "cannot be restarted" in server.logs()
+        logs = server.logs()
+        assert "cannot be restarted" in logs and "failed 3 restarts in a row" in logs, logs
+        assert "restarting engine in 0.2 s (restart 1)" in logs and "in 0.8 s (restart 3)" in logs
     finally:
         server.stop(signal.SIGKILL)
