@@ -11,6 +11,7 @@ from torch import nn
 
 from formwork.gpu.cpu_linear import PackedLinear, pack_linears, packing_supported
 from formwork.kernels import cpu_fused_ops as fo
+from fused_contract import check_rotary
 
 HAVE_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler on this machine")
@@ -60,26 +61,7 @@ def test_rms_norm_and_add(dtype, rows, width):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (2, 1, 128)])
 def test_rotary(dtype, rows, heads, kv_heads, head_dim):
-    g = torch.Generator().manual_seed(rows + heads + head_dim)
-    width = (heads + 2 * kv_heads) * head_dim
-    big = torch.randn(rows, width + 16, generator=g).to(dtype)
-    qkv = big[:, :width]                                 # strided rows, as a view into a wider buffer
-    pos = torch.randint(0, 4096, (rows,), generator=g)
-    cos, sin = torch.randn(4096, head_dim, generator=g).to(dtype), torch.randn(4096, head_dim, generator=g).to(dtype)
-    before, spare = qkv.clone(), big[:, width:].clone()
-    want_q, want_k = fo.rotary_ref(qkv, pos, cos, sin, heads, kv_heads)
-    assert torch.equal(qkv, before)                      # the reference does not mutate
-    q, k = fo.rotary(qkv, pos, cos, sin, heads, kv_heads)
-    close(q, want_q)
-    close(k, want_k)
-    if rows:                                             # rotated in place: q and k are views of qkv
-        assert q.data_ptr() == qkv.data_ptr()
-        assert k.data_ptr() == qkv.data_ptr() + heads * head_dim * qkv.element_size()
-    v_cols = slice((heads + kv_heads) * head_dim, None)
-    assert torch.equal(qkv[:, v_cols], before[:, v_cols])        # v and the spare columns untouched
-    assert torch.equal(big[:, width:], spare)
-    if rows:
-        assert not torch.equal(qkv, before)
+    check_rotary(fo.rotary, close, dtype, rows, heads, kv_heads, head_dim)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,6 +7,7 @@ import torch
 
 from formwork.kernels import cpu_fused_ops as ref
 from formwork.kernels import fused_ops as fo
+from fused_contract import check_rotary
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS = [0, 1, 5, 33]
@@ -81,23 +82,8 @@ def test_rms_norm_strided_rows():
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (2, 1, 128), (3, 1, 48)])
 def test_rotary(dtype, rows, heads, kv_heads, head_dim):
-    g = torch.Generator().manual_seed(rows + heads + head_dim)
-    width = (heads + 2 * kv_heads) * head_dim
-    big = rand(g, rows, width + 16, dtype=dtype)
-    qkv = big[:, :width]                                 # strided rows, a view into a wider buffer
-    pos = torch.randint(0, 512, (rows,), generator=g).to(DEVICE)
-    cos, sin = rand(g, 512, head_dim, dtype=dtype), rand(g, 512, head_dim, dtype=dtype)
-    before, spare = qkv.clone(), big[:, width:].clone()
-    want_q, want_k = ref.rotary_ref(qkv, pos, cos, sin, heads, kv_heads)
-    q, k = fo.rotary(qkv, pos, cos, sin, heads, kv_heads)
-    close(q, want_q, loose=True)
-    close(k, want_k, loose=True)
-    if rows:                                             # rotated in place: q and k are views of qkv
-        assert q.data_ptr() == qkv.data_ptr()
-        assert k.data_ptr() == qkv.data_ptr() + heads * head_dim * qkv.element_size()
-    v_cols = slice((heads + kv_heads) * head_dim, None)
-    assert torch.equal(qkv[:, v_cols], before[:, v_cols])        # v and the spare columns untouched
-    assert torch.equal(big[:, width:], spare)
+    check_rotary(fo.rotary, close, dtype, rows, heads, kv_heads, head_dim, device=DEVICE, positions=512,
+                 loose=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
