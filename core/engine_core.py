@@ -49,7 +49,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, *, executor=None, tokenizer=None,
                  structured_manager=None, hooks: StepHooks | None = None):
         self.config = config
-        model_dir = resolve_model(config.model, weights=config.load_format != "dummy") \
+        model_dir = resolve_model(config.model, weights=config.reads_weights) \
             if executor is None or tokenizer is None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         if executor is None:

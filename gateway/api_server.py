@@ -83,7 +83,7 @@ async def _start(config: EngineConfig, engine_restarts: dict | None = None):
     starting = asyncio.create_task(engine.start())
     try:
         tokenizer = await asyncio.to_thread(load_model_tokenizer, config.model,
-                                             weights=config.load_format != "dummy")
+                                             weights=config.reads_weights)
         max_token_chars = await asyncio.to_thread(longest_token_chars, tokenizer)
         tokenizers = await asyncio.to_thread(TokenizerPool, tokenizer)
         engine.set_tokenizer(tokenizer)

@@ -41,7 +41,7 @@ class EngineProcessGroup:
                     dp_engine_config(config, i), ready_timeout_s=ready_timeout_s,
                     launcher=rank_launcher(i, size, launcher), bind_host=bind_host,
                     wait=False))
-            self.tokenizer = load_model_tokenizer(config.model, weights=config.load_format != "dummy")
+            self.tokenizer = load_model_tokenizer(config.model, weights=config.reads_weights)
             for e in self.engines:
                 e.tokenizer = self.tokenizer
                 e.wait_ready()

@@ -95,7 +95,7 @@ class EngineProcess:
         try:
             if self.tokenizer is None:
                 self.tokenizer = load_model_tokenizer(
-                    self.config.model, weights=self.config.load_format != "dummy")
+                    self.config.model, weights=self.config.reads_weights)
             info = self._wait_ready(self.ready_timeout_s)
         except BaseException:
             self.shutdown()

@@ -52,6 +52,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1        # worker processes per engine, model sharded over torch.distributed
     distributed_executor_backend: str = "mp"   # "mp": local processes; "ray": Ray actors
 
+    @property
+    def reads_weights(self) -> bool:
+        """Whether the model folder must hold weights (not under load_format="dummy")."""
+        return self.load_format != "dummy"
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
