@@ -129,9 +129,8 @@ def main(argv=None):
                     choices=("auto", "llguidance", "xgrammar", "outlines"))
     args = ap.parse_args(argv)
     from formwork import LLM, SamplingParams, StructuredOutputsParams
-    timeline = Timeline() if args.timeline else None
-    extra = {}
-    if timeline is not None:
+    timeline, extra = Timeline(), {}    # records only when the engine calls it (--timeline)
+    if args.timeline:
         from formwork.core.step_hooks import StepHooks
         extra = {"engine_process": False, "step_hooks": StepHooks(on_timing=timeline)}
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batches),
@@ -147,17 +146,14 @@ def main(argv=None):
         convs = prompts(b)
         tp, tc = [], []
         for _ in range(args.reps):
-            if timeline is not None:
-                timeline.label = ("plain", b)
+            timeline.label = ("plain", b)
             dt, n, _ = timed_chat(llm, convs, plain)
             tp.append(n / dt)
             s0 = llm.get_stats()
-            if timeline is not None:
-                timeline.label = ("constrained", b)
+            timeline.label = ("constrained", b)
             dt, n2, outs = timed_chat(llm, convs, constrained)
             s1 = llm.get_stats()
-            if timeline is not None:
-                timeline.label = None
+            timeline.label = None
             assert n2 == n, f"constrained produced {n2} tokens, unconstrained {n}: not comparable"
             assert all(o.outputs[0].finish_reason == "length" for o in outs)
             tc.append(n2 / dt)
@@ -165,7 +161,7 @@ def main(argv=None):
         fill_ms = (s1.bitmask_seconds - s0.bitmask_seconds) / max(steps, 1) * 1e3
         up, uc = statistics.median(tp), statistics.median(tc)
         print(f"| {b} | {up:.1f} | {uc:.1f} | {uc / up:.3f} | {fill_ms:.3f} | {steps} |")
-    if timeline is not None:
+    if args.timeline:
         print("\n" + "\n".join(timeline.report(b) for b in args.batches))
     apply = bench_apply(llm.engine.vocab_size, args.batches)
     print("\nbitmask apply on [batch, vocab] float32 logits (median ms): " +
