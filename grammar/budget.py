@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from formwork.grammar.backend import Matcher, set_only_tokens
-from formwork.grammar.jump_forward import forced_tokens
+from formwork.grammar.jump_forward import ForcedTextEncoder, forced_tokens
 from formwork.grammar.vocab import TokenVocab
 
 # Closing texts, best first: they end strings, objects and arrays, or are the
@@ -48,6 +48,12 @@ SLACK = 2                # tokens of budget kept for what the next free token ma
 # 9.6 ms (785 tok/s) and still closed 50/50 outputs at max_tokens 24 (bench/budget_aware.py).
 WINDOW = 16              # closing paths are searched in a request's last WINDOW tokens
 SEARCH_EVERY = 8         # ... at least every SEARCH_EVERY tokens
+# GIVE_UP: a request whose search found no path is not searched again. Measured with
+# SmolLM2 at temperature 0.7 (50 requests each: bench/budget_aware.py's schema at 24,
+# 32 and 40 tokens, bench/soak.py's 60-property storm schemas at 24, a nested schema
+# at 20): 105 requests had a search that found nothing, 80 of them searched again
+# later, none found a path; each such search costs a failing search's full price
+# (~1.7 ms on the engine thread, and a storm's 64 requests reach it in one step).
 
 
 @dataclass(slots=True)
@@ -57,6 +63,7 @@ class Budget:
     closing: list[int] | None = None    # a closing path from the current state, if known
     closing_len: int = 0                # length of the last path found (0: none)
     searched_at: int | None = None      # `left` at the last search
+    gave_up: bool = False               # a search found no path: never searched again
     closed_early: bool = False          # a bitmask row was narrowed to close it
 
     def spend(self, token_ids: list[int]) -> None:
@@ -68,17 +75,29 @@ class Budget:
 
     def search_due(self) -> bool:
         """Search now: first time in the window, every SEARCH_EVERY tokens (free tokens
-        may lengthen the path), and each step once the last path nearly fills it."""
+        may lengthen the path), and each step once the last path nearly fills it;
+        never again after a search that found no path (GIVE_UP)."""
+        if self.gave_up:
+            return False
         return (self.searched_at is None or self.searched_at - self.left >= SEARCH_EVERY
                 or 0 < self.closing_len and self.left <= self.closing_len + SLACK + SEARCH_EVERY)
+
+
+@dataclass(slots=True)
+class _Node:
+    """Where a search step leads: the tokens it accepts (a closer, then forced text),
+    whether the output may end there, and that state's mask (filled when needed)."""
+    step: list[int]
+    ends: bool
+    mask: tuple[bytes, list[int]] | None = None
 
 
 class ClosingSearch:
     """Finds short accepting paths for matchers of one vocabulary (engine thread)."""
 
     def __init__(self, vocab: TokenVocab, vocab_size: int, eos_token_id: int | None,
-                 tokenizer):
-        self._vocab, self._tokenizer = vocab, tokenizer   # forced text, tokenized as jump-forward
+                 encoder: ForcedTextEncoder):
+        self._encoder = encoder     # forced text, tokenized as jump-forward does
         by_bytes: dict[bytes, int] = {}
         for tid, b in enumerate(vocab.token_bytes[:vocab_size]):
             if b is not None and b not in by_bytes:
@@ -118,41 +137,72 @@ class ClosingSearch:
         The matcher's state is unchanged."""
         if self.can_end(matcher):
             return []
+        nodes: dict[tuple[int, ...], _Node | None] = {}    # shared by both orders
         found = [p for order in self.orders
-                 if (p := self._search(matcher, limit, order)) is not None]
+                 if (p := self._search(matcher, limit, order, nodes)) is not None]
         return min(found, key=len) if found else None
 
-    def _search(self, matcher: Matcher, limit: int, closers: list[int]) -> list[int] | None:
+    def _expand(self, matcher: Matcher, path: tuple[int, ...], tid: int,
+                nodes: dict) -> "_Node | None":
+        """Accept `tid` (after `path`) and what the grammar then forces; None (matcher
+        unchanged) if refused. Both closer orders reach many of the same paths: what a
+        path leads to is remembered, so the second order only re-accepts its tokens
+        instead of asking for forced text and a mask again (same result, a fraction
+        of the cost: a failing search is what a request that cannot close runs)."""
+        key = path + (tid,)
+        if key in nodes:
+            node = nodes[key]
+            if node is not None:
+                ok = matcher.accept_tokens(node.step)
+                assert ok, "a remembered closing step was refused"
+            return node
+        if not matcher.accept_tokens([tid]):
+            nodes[key] = None
+            return None
+        step = [tid]
+        if not self.can_end(matcher):       # then what the grammar forces (a key)
+            step += forced_tokens(matcher, self._encoder)
+        node = nodes[key] = _Node(step, self.can_end(matcher))
+        return node
+
+    def _search(self, matcher: Matcher, limit: int, closers: list[int],
+                nodes: dict) -> list[int] | None:
         """Depth-first, closers in the given order, at most NODE_LIMIT evaluated
         states; a token that leads back to its state's mask (string content) is not
         followed."""
         evaluated = 0
 
-        def dfs(sig: bytes, words: list[int], depth: int) -> list[int] | None:
+        def dfs(path: tuple[int, ...], sig: bytes, words: list[int],
+                depth: int) -> list[int] | None:
             nonlocal evaluated
             for tid in self._candidates(words, closers):
                 if evaluated >= NODE_LIMIT:
                     return None
-                if not matcher.accept_tokens([tid]):
+                node = self._expand(matcher, path, tid, nodes)
+                if node is None:
                     continue
                 evaluated += 1
-                step, rest = [tid], None
+                step, rest = node.step, None
                 try:
-                    if not self.can_end(matcher):   # then what the grammar forces (a key)
-                        step += forced_tokens(matcher, self._tokenizer, self._vocab)
-                    if len(step) <= depth and self.can_end(matcher):
-                        return step
+                    if len(step) <= depth and node.ends:
+                        return list(step)
                     if len(step) < depth:
-                        child_sig, child_words = self._mask(matcher)
-                        if child_sig != sig:
-                            rest = dfs(child_sig, child_words, depth - len(step))
+                        if node.mask is None:
+                            node.mask = self._mask(matcher)
+                        if node.mask[0] != sig:
+                            rest = dfs(path + tuple(step), *node.mask, depth - len(step))
                 finally:
                     matcher.rollback(len(step))
                 if rest is not None:
                     return step + rest
             return None
 
-        return dfs(*self._mask(matcher), limit) if limit > 0 else None
+        if limit <= 0:
+            return None
+        root = nodes.get(())
+        if root is None:
+            root = nodes[()] = _Node([], False, self._mask(matcher))
+        return dfs((), *root.mask, limit)
 
     def forced_next(self, budget: Budget, matcher: Matcher) -> int | None:
         """The closing path's next token once the path needs (nearly) all the tokens
@@ -163,6 +213,7 @@ class ClosingSearch:
             budget.closing = self.path(matcher, budget.left)
             budget.closing_len = len(budget.closing) if budget.closing else 0
             budget.searched_at = budget.left
+            budget.gave_up = budget.closing is None
         if not budget.closing or len(budget.closing) + SLACK < budget.left:
             return None
         return budget.closing[0]

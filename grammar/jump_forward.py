@@ -11,21 +11,50 @@ from formwork.grammar.backend import Matcher
 from formwork.grammar.vocab import TokenVocab
 
 
-def forced_tokens(matcher: Matcher, tokenizer, vocab: TokenVocab) -> list[int]:
+class ForcedTextEncoder:
+    """Forced text -> the token ids to try, remembered per text.
+
+    The same forced texts (key names, `","`) come back every step of every
+    request of a schema, and a closing search (grammar/budget.py) meets each a
+    dozen times: a tokenizer call costs ~45 us, a dict hit well under one. The
+    result depends only on the text, so the cache changes no output. Bounded:
+    emptied when it reaches `max_entries` (schemas come and go)."""
+
+    def __init__(self, tokenizer, vocab: TokenVocab, max_entries: int = 8192):
+        self._tokenizer, self._vocab, self._max = tokenizer, vocab, max_entries
+        self._ids: dict[str, tuple[int, ...]] = {}
+
+    def ids(self, text: str) -> tuple[int, ...]:
+        """`text` tokenized, without a last token a longer one could extend; () if
+        the tokens do not spell `text` exactly (e.g. a tokenizer that prepends a space)."""
+        got = self._ids.get(text)
+        if got is None:
+            got = self._encode(text)
+            if len(self._ids) >= self._max:
+                self._ids.clear()
+            self._ids[text] = got
+        return got
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        vocab = self._vocab
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        spelled = [vocab.token_bytes[i] if 0 <= i < vocab.vocab_size else None for i in ids]
+        if any(b is None for b in spelled) or b"".join(spelled) != text.encode("utf-8"):
+            return ()
+        if ids and vocab.is_strict_prefix_token(ids[-1]):
+            ids.pop()
+        return tuple(ids)
+
+
+def forced_tokens(matcher: Matcher, encoder: ForcedTextEncoder) -> list[int]:
     """Accept and return the tokens of `matcher`'s forced continuation ([] if none)."""
     if matcher.is_terminated():
         return []
     text = matcher.jump_forward_string()
     if not text:
         return []
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    spelled = [vocab.token_bytes[i] if 0 <= i < vocab.vocab_size else None for i in ids]
-    if any(b is None for b in spelled) or b"".join(spelled) != text.encode("utf-8"):
-        return []   # e.g. a tokenizer that prepends a space to every text
-    if ids and vocab.is_strict_prefix_token(ids[-1]):
-        ids.pop()
     accepted: list[int] = []
-    for tid in ids:
+    for tid in encoder.ids(text):
         if not matcher.accept_tokens([tid]):
             break
         accepted.append(tid)

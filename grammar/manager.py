@@ -19,7 +19,7 @@ import torch
 from formwork.grammar.backend import CompiledGrammar, GrammarBackend, Matcher, allocate_bitmask
 from formwork.grammar.budget import Budget, ClosingSearch
 from formwork.grammar.compile_pool import compile_pool
-from formwork.grammar.jump_forward import forced_tokens
+from formwork.grammar.jump_forward import ForcedTextEncoder, forced_tokens
 from formwork.grammar.llguidance_backend import LLGuidanceBackend
 from formwork.grammar.outlines_backend import OutlinesBackend
 from formwork.grammar.selection import choose_backend
@@ -77,7 +77,9 @@ class StructuredOutputManager:
         self._requests: dict[str, _RequestGrammar] = {}
         self._bitmask = allocate_bitmask(8, vocab_size)   # [rows, words], grown on demand
         self._budget_aware = budget_aware     # default for JSON-schema requests
-        self._closing = ClosingSearch(self.vocab, vocab_size, self.vocab.eos_token_id, tokenizer)
+        self._forced = ForcedTextEncoder(tokenizer, self.vocab)   # engine thread only
+        self._closing = ClosingSearch(self.vocab, vocab_size, self.vocab.eos_token_id,
+                                      self._forced)
 
     # --- compilation ---------------------------------------------------------------
     def submit(self, request_id: str, params: StructuredOutputsParams,
@@ -219,7 +221,7 @@ class StructuredOutputManager:
         """Tokens of the forced continuation, already accepted; [] if none/disabled."""
         if not self._jump_forward:
             return []
-        tokens = forced_tokens(self._matcher(request_id), self._tokenizer, self.vocab)
+        tokens = forced_tokens(self._matcher(request_id), self._forced)
         self._spend(request_id, tokens)
         self._stats.jump_forward_tokens += len(tokens)
         return tokens

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from formwork.grammar.backend import allocate_bitmask, allowed_mask, allowed_token_ids
-from formwork.grammar.jump_forward import forced_tokens
+from formwork.grammar.jump_forward import ForcedTextEncoder, forced_tokens
 from formwork.grammar.llguidance_backend import LLGuidanceBackend
 from formwork.grammar.outlines_backend import OutlinesBackend
 from formwork.grammar.selection import choose_backend
@@ -213,7 +213,7 @@ def test_jump_forward(backend, compiled, tokenizer, vocab):
     assert c.jump_forward_string() == ""             # red | blue ...
     assert c.accept_tokens(tokenizer.encode("b", add_special_tokens=False))
     assert c.jump_forward_string() == "lue s"
-    tokens = forced_tokens(c, tokenizer, vocab)
+    tokens = forced_tokens(c, ForcedTextEncoder(tokenizer, vocab))
     assert tokens and b"".join(vocab.token_bytes[t] for t in tokens) in (b"lue", b"lue s")
     assert c.jump_forward_string() == "lue s"[len(b"".join(vocab.token_bytes[t] for t in tokens)):]
 

@@ -10,7 +10,8 @@ import pytest
 
 from formwork.gateway.cli import build_parser, engine_config
 from formwork.grammar.backend import allowed_token_ids
-from formwork.grammar.budget import ClosingSearch
+from formwork.grammar.budget import NODE_LIMIT, ClosingSearch
+from formwork.grammar.jump_forward import ForcedTextEncoder
 from formwork.grammar.manager import StructuredOutputManager
 from formwork.schemas.structured import StructuredOutputsParams as P
 
@@ -81,12 +82,111 @@ def test_closing_path_leaves_the_matcher_as_it_was(manager, tokenizer):
     compiled = manager._compile(P(json=SCHEMA))[0]       # noqa: SLF001 (a fresh matcher)
     matcher = compiled.new_matcher()
     assert matcher.accept_tokens(tokenizer.encode('{"a": "hello', add_special_tokens=False))
-    search = ClosingSearch(manager.vocab, VOCAB, tokenizer.eos_token_id, tokenizer)
+    search = ClosingSearch(manager.vocab, VOCAB, tokenizer.eos_token_id,
+                           ForcedTextEncoder(tokenizer, manager.vocab))
     path = search.path(matcher, 30)
     assert path and not search.can_end(matcher)
     assert matcher.accept_tokens(path) and search.can_end(matcher)
     text = '{"a": "hello' + tokenizer.decode(path)
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def _counting(search):
+    """Count the mask fills of `search` (one per state it looks at)."""
+    calls = []
+    real = search._mask                                   # noqa: SLF001
+
+    def mask(matcher):
+        calls.append(1)
+        return real(matcher)
+    search._mask = mask                                   # noqa: SLF001
+    return calls
+
+
+def test_a_failing_search_looks_at_each_state_once(manager, tokenizer):
+    """Twelve required long keys cannot close in 16 tokens: both closer orders fail,
+    and the second finds the states the first already reached remembered (a mask
+    fill per state at most once; without that it is about twice as many)."""
+    props = {f"property_number_{k}_with_a_long_name": {"type": "string"} for k in range(12)}
+    schema = {"type": "object", "properties": props, "required": list(props),
+              "additionalProperties": False}
+    compiled = manager._compile(P(json=schema))[0]        # noqa: SLF001
+    matcher = compiled.new_matcher()
+    assert matcher.accept_tokens(tokenizer.encode('{"property_number_0_with_a_long_name": "a',
+                                                  add_special_tokens=False))
+    encoder = ForcedTextEncoder(tokenizer, manager.vocab)
+    fills = {}
+    for which in ((0,), (1,), (0, 1)):
+        search = ClosingSearch(manager.vocab, VOCAB, tokenizer.eos_token_id, encoder)
+        search.orders = [search.orders[k] for k in which]
+        fills[which] = _counting(search)
+        assert search.path(matcher, 16) is None
+    both = len(fills[0, 1])
+    assert both < len(fills[0,]) + len(fills[1,]) and both <= NODE_LIMIT + 1
+    rest = "".join(f', "{k}": "b"' for k in list(props)[1:]) + "}"    # state left as it was
+    assert matcher.accept_tokens(tokenizer.encode('"' + rest, add_special_tokens=False))
+    assert search.can_end(matcher)
+
+
+@pytest.mark.parametrize("written", ['{"a": "hello', '{"a": "x", "b": "', '{"a": "x", "b": "y"'])
+def test_remembered_states_change_no_path(manager, tokenizer, written):
+    """Both orders sharing what they found = each order searched on its own, the
+    shorter kept (the path is a function of the state, not of the sharing)."""
+    compiled = manager._compile(P(json=SCHEMA))[0]        # noqa: SLF001
+    matcher = compiled.new_matcher()
+    assert matcher.accept_tokens(tokenizer.encode(written, add_special_tokens=False))
+    encoder = ForcedTextEncoder(tokenizer, manager.vocab)
+    shared = ClosingSearch(manager.vocab, VOCAB, tokenizer.eos_token_id, encoder)
+    alone = []
+    for order in shared.orders:
+        search = ClosingSearch(manager.vocab, VOCAB, tokenizer.eos_token_id, encoder)
+        search.orders = [order]
+        alone.append(search.path(matcher, 20))
+    assert all(p is not None for p in alone)
+    assert shared.path(matcher, 20) == min(alone, key=len)
+
+
+def test_a_request_whose_search_failed_is_not_searched_again(manager, tokenizer, monkeypatch):
+    props = {f"property_number_{k}_with_a_long_name": {"type": "string"} for k in range(12)}
+    schema = {"type": "object", "properties": props, "required": list(props),
+              "additionalProperties": False}
+    searched = []
+    real = manager._closing.path                          # noqa: SLF001
+
+    def path(matcher, limit):
+        searched.append(limit)
+        return real(matcher, limit)
+    monkeypatch.setattr(manager._closing, "path", path)   # noqa: SLF001
+    text, terminated, steered = _run(manager, tokenizer, "long", P(json=schema), 40)
+    assert not terminated and not steered
+    assert searched == [16]              # the window's first search, none after it
+    searched.clear()
+    one = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    _, terminated, _ = _run(manager, tokenizer, "short", P(json=one), 24)
+    assert terminated and len(searched) >= 2 and searched[0] == 16   # paths found: again
+
+
+class _CountingTokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def encode(self, text, **kw):
+        self.calls.append(text)
+        return self.tokenizer.encode(text, **kw)
+
+
+def test_forced_text_is_tokenized_once_per_text(manager, tokenizer):
+    counting = _CountingTokenizer(tokenizer)
+    encoder = ForcedTextEncoder(counting, manager.vocab, max_entries=2)
+    first = encoder.ids('","name":"')
+    assert encoder.ids('","name":"') == first and counting.calls == ['","name":"']
+    # the last token is kept only if no longer token could extend it
+    spelled = b"".join(manager.vocab.token_bytes[t] for t in first)
+    assert '","name":"'.encode().startswith(spelled) and first
+    encoder.ids("a")
+    encoder.ids("b")                                      # full: emptied, then "b" kept
+    encoder.ids('","name":"')
+    assert counting.calls.count('","name":"') == 2
 
 
 def test_server_flag_turns_the_default_off(tokenizer):
