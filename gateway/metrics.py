@@ -109,8 +109,10 @@ class _EngineCollector:
             "grammar_bitmask_seconds": ("Seconds spent filling grammar bitmasks.", s.bitmask_seconds),
             "grammar_deferred_checks": ("Constrained picks made without the grammar mask, then "
                                         "checked by the matcher.", s.grammar_deferred_checks),
-            "grammar_deferred_refused": ("Deferred picks the grammar refused (picked again with "
-                                         "the mask).", s.grammar_deferred_refused),
+            "grammar_deferred_refused": ("Deferred picks the grammar refused (picked again).",
+                                         s.grammar_deferred_refused),
+            "grammar_deferred_rescued": ("Refused greedy picks replaced by the row's next best "
+                                         "allowed token, without a mask.", s.grammar_deferred_rescued),
             "engine_steps": ("Engine steps run.", s.steps),
             "forward_thread_resizes": ("Times the forward's thread team was resized.",
                                        s.thread_resizes),

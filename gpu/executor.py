@@ -175,6 +175,11 @@ class Executor:
         return self._pool.submit(self.runner.sample, plan, logits, bitmask, mask_req_ids,
                                  deferred_req_ids).result()
 
+    def candidates(self, req_ids: list[str], k: int) -> list[list[int]]:
+        """After sample_tokens, for some of its deferred requests: each greedy one's
+        best tokens in masked-argmax order ([] for sampled ones), Sampler.candidates."""
+        return self._pool.submit(self.runner.candidates, req_ids, k).result()
+
     def resample(self, req_ids: list[str], bitmask: torch.Tensor) -> list[int]:
         """Masked picks, after sample_tokens, for some of its deferred requests."""
         return self._pool.submit(self.runner.resample, req_ids, bitmask).result()

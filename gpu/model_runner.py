@@ -171,6 +171,12 @@ class ModelRunner:
                                  prompt_logprobs=plp)
 
     @torch.inference_mode()
+    def candidates(self, req_ids: list[str], k: int) -> list[list[int]]:
+        """Sampler.candidates for deferred requests of the last sample()."""
+        rows = torch.tensor([self._deferred[r] for r in req_ids], dtype=torch.int64, device=self.device)
+        return self.sampler.candidates(rows, k)
+
+    @torch.inference_mode()
     def resample(self, req_ids: list[str], bitmask: torch.Tensor) -> list[int]:
         """Masked picks for deferred requests of the last sample() (bitmask row i: req_ids[i])."""
         rows = torch.tensor([self._deferred[r] for r in req_ids], dtype=torch.int64, device=self.device)

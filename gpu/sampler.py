@@ -284,6 +284,25 @@ class Sampler:
                     if batch.max_num_logprobs is not None else None)
         return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs)
 
+    def candidates(self, kept_rows: torch.Tensor, k: int) -> list[list[int]]:
+        """For kept rows `kept_rows` (indices into the last call's `keep`): the greedy
+        rows' `k` best tokens in the order a masked argmax prefers them (higher logit,
+        then lower id), so the first one a grammar allows IS the eager greedy pick.
+        Cut before the k-th best value (a token tied with it may lie outside the k)
+        and before -inf; [] for sampled rows (their redraw needs the whole mask)."""
+        kept = self._kept
+        assert kept is not None, "candidates without kept rows"
+        logits = kept.logits.index_select(0, kept_rows)
+        vals, idx = logits.topk(min(k, logits.shape[-1]), dim=-1)
+        greedy = ((kept.temperature.index_select(0, kept_rows) <= 0).tolist()
+                  if kept.redraw is not None else [True] * len(kept_rows))
+        out = []
+        for g, vs, ids in zip(greedy, vals.tolist(), idx.tolist()):
+            edge = vs[-1]
+            pairs = sorted((-v, t) for v, t in zip(vs, ids) if v > edge and v != float("-inf"))
+            out.append([t for _, t in pairs] if g else [])
+        return out
+
     def resample(self, kept_rows: torch.Tensor, bitmask: torch.Tensor) -> list[int]:
         """Picks again, masked, for kept rows `kept_rows` [R] (indices into the last
         call's `keep`) with bitmask [R, words]: greedy rows the token an eager mask would

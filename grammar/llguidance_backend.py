@@ -55,6 +55,10 @@ class LLGuidanceMatcher(Matcher):
         self.native = native
         self._eos = eos_token_id
         self._terminated = False   # the eos token was accepted
+        # A token `accepts` found valid in the current state: the deferred-mask check
+        # asks, then the engine accepts the same token; its validation is not repeated
+        # (~7 us per request per step). Cleared by every state change.
+        self._valid_next: int | None = None
 
     @property
     def error(self) -> str:
@@ -68,8 +72,11 @@ class LLGuidanceMatcher(Matcher):
         ids = [int(t) for t in token_ids]
         stop = bool(ids) and ids[-1] == self._eos
         body = ids[:-1] if stop else ids
-        if self._terminated or self.native.is_error() \
-                or self.native.validate_tokens(body) != len(body):
+        known, self._valid_next = self._valid_next, None
+        if self._terminated or self.native.is_error():
+            return False
+        if not (len(body) == 1 and body[0] == known) \
+                and self.native.validate_tokens(body) != len(body):
             return False
         if not self.native.consume_tokens(body):     # a resource limit hit while consuming
             return False
@@ -87,7 +94,10 @@ class LLGuidanceMatcher(Matcher):
             return False
         if token_id == self._eos:
             return self.native.is_accepting()
-        return self.native.validate_tokens([int(token_id)]) == 1
+        ok = self.native.validate_tokens([int(token_id)]) == 1
+        if ok:
+            self._valid_next = int(token_id)
+        return ok
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self._terminated or self.native.is_error():
@@ -100,12 +110,14 @@ class LLGuidanceMatcher(Matcher):
         return self._terminated
 
     def rollback(self, num_tokens: int) -> None:
+        self._valid_next = None
         if num_tokens and self._terminated:
             self._terminated, num_tokens = False, num_tokens - 1
         if num_tokens and not self.native.is_error():   # a failed matcher stays failed
             assert self.native.rollback(num_tokens), self.native.get_error()
 
     def reset(self) -> None:
+        self._valid_next = None
         self.native.reset()
         self._terminated = False
 

@@ -274,10 +274,7 @@ class StructuredOutputManager:
         return True
 
     def check_deferred(self, request_id: str, token_id: int) -> bool:
-        """Whether the grammar allows `token_id` next (matcher unchanged). A refusal
-        keeps the request's masks eager for 2, 4, ... 32 steps (doubling while its
-        deferred picks keep being refused): a refused pick costs a fill and a second
-        pick after the forward instead of a fill beside it."""
+        """Whether the grammar allows `token_id` next (matcher unchanged); counted."""
         entry = self._requests[request_id]
         ok = self._matcher(request_id).accepts(token_id)
         self._stats.deferred_checks += 1
@@ -285,9 +282,26 @@ class StructuredOutputManager:
             entry.refusals = 0
         else:
             self._stats.deferred_refused += 1
-            entry.refusals += 1
-            entry.eager_steps = 1 << min(entry.refusals, 5)
         return ok
+
+    def first_allowed(self, request_id: str, token_ids: list[int]) -> int | None:
+        """The first of `token_ids` the grammar allows next (matcher unchanged), or None.
+        With a greedy row's best tokens in masked-argmax order it is the eager pick,
+        found in a few checks instead of a mask fill and a second pick."""
+        matcher = self._matcher(request_id)
+        for t in token_ids:
+            if matcher.accepts(t):
+                self._stats.deferred_rescued += 1
+                return t
+        return None
+
+    def back_off(self, request_id: str) -> None:
+        """A refused pick that needed the mask: the request's masks stay eager for 2,
+        4, ... 32 steps (doubling while that keeps happening); a refused pick costs a
+        fill and a second pick after the forward instead of a fill beside it."""
+        entry = self._requests[request_id]
+        entry.refusals += 1
+        entry.eager_steps = 1 << min(entry.refusals, 5)
 
     def stats(self) -> GrammarStats:
         with self._lock:

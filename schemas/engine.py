@@ -107,6 +107,7 @@ class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):
     bitmask_seconds: float = 0.0
     grammar_deferred_checks: int = 0     # picks made without the mask, then checked
     grammar_deferred_refused: int = 0    # ... refused by the grammar (picked again, masked)
+    grammar_deferred_rescued: int = 0    # ... re-picked from the row's best tokens, no mask
     steps: int = 0
     forward_threads: int = 0        # CPU: the forward's thread team now (0: not governed)
     thread_resizes: int = 0         # times the team was resized to the free cores

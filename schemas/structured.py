@@ -33,6 +33,7 @@ class GrammarStats:
     budget_steered_steps: int = 0
     deferred_checks: int = 0      # picks made without the mask, then checked
     deferred_refused: int = 0     # ... of which the grammar refused (picked again, masked)
+    deferred_rescued: int = 0     # ... of which a greedy row's next best allowed token was found
     by_backend: dict[str, int] = field(default_factory=dict)
     cache_size: int = 0
 

@@ -135,6 +135,34 @@ def _deferred(logits, batch, allowed, bitmask) -> list[int]:
     return picks
 
 
+def test_candidates_are_in_masked_argmax_order():
+    """A greedy row's candidates: higher logit first, ties by lower id (argmax's first
+    maximum), nothing tied with the k-th value (a tie may lie outside the top k),
+    no -inf; a sampled row gets none. So the first candidate a mask allows is the
+    masked argmax: checked against apply-the-mask-then-argmax on random masks."""
+    s = Sampler()
+    logits = torch.full((3, 12), -5.0)
+    logits[0, [7, 2, 9, 4]] = torch.tensor([3.0, 3.0, 1.0, 2.0])    # 2 and 7 tie
+    logits[1, [1, 3, 5]] = torch.tensor([4.0, 0.5, 0.5])            # 3, 5 tie at the edge
+    logits[2] = float("-inf")
+    logits[2, 6] = 1.0
+    s(logits.clone(), _batch([0, 0, 0], [None] * 3), keep=torch.arange(3))
+    assert s.candidates(torch.arange(3), 4) == [[2, 7, 4], [1, 3, 5], [6]]   # 9 ties the edge
+    assert s.candidates(torch.tensor([1]), 3) == [[1]]              # edge value 0.5: cut
+    s(logits[:2].clone(), _batch([0, 0.8], [None, 1]), keep=torch.arange(2))
+    assert s.candidates(torch.arange(2), 4) == [[2, 7, 4], []]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        x = torch.randint(-3, 4, (1, 64), generator=g).float()      # many ties
+        s(x.clone(), _batch([0], [None]), keep=torch.arange(1))
+        allowed = torch.rand(64, generator=g) < 0.3
+        cands = s.candidates(torch.arange(1), 8)[0]
+        first = next((t for t in cands if allowed[t]), None)
+        masked = x[0].masked_fill(~allowed, float("-inf"))
+        if first is not None:
+            assert first == int(masked.max(-1).indices)
+
+
 def test_resample_is_the_eager_masked_pick_when_greedy():
     """Same logits: deferring the mask of greedy rows gives the eager pick on every
     row; sampled rows beside them always end on an allowed token."""
@@ -187,6 +215,31 @@ def test_only_commuting_sampling_defers():
     assert not mask_can_wait(SamplingParams(temperature=0, logprobs=2))
 
 
+def test_llguidance_validates_a_checked_token_once(tokenizer, vocab):
+    """The engine checks a deferred pick, then accepts it: one validation, not two;
+    any state change in between forgets the check (a rolled-back state refuses)."""
+    m = build_backend("llguidance", vocab, tokenizer).compile(SO(json=SCHEMA)).new_matcher()
+    calls = []
+
+    class Counting:
+        def __init__(self, native):
+            self._native = native
+
+        def __getattr__(self, name):
+            return getattr(self._native, name)
+
+        def validate_tokens(self, ids):
+            calls.append(list(ids))
+            return self._native.validate_tokens(ids)
+    m.native = Counting(m.native)
+    brace, quote = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("{", '"'))
+    assert m.accepts(brace) and m.accept_tokens([brace]) and len(calls) == 1
+    assert m.accepts(quote)
+    m.rollback(1)                                  # back before '{': '"' is not allowed
+    assert not m.accept_tokens([quote]) and len(calls) == 3
+    assert not m.accepts(quote) and m.accept_tokens([brace]) and len(calls) == 5
+
+
 def test_a_refused_pick_backs_off(tokenizer):
     """After a refusal the request's mask stays eager for 2 steps, after a second
     refusal in a row for 4; an accepted pick resets the back-off; no deferral when
@@ -208,7 +261,8 @@ def test_a_refused_pick_backs_off(tokenizer):
 
         def eager_steps_after(token):
             assert m.can_defer("r")
-            m.check_deferred("r", token)
+            if not m.check_deferred("r", token):
+                m.back_off("r")               # the engine does when no candidate is allowed
             n = 0
             while not m.can_defer("r"):
                 n += 1
@@ -219,6 +273,10 @@ def test_a_refused_pick_backs_off(tokenizer):
         assert eager_steps_after(bad) == 2
         st = m.stats()
         assert (st.deferred_checks, st.deferred_refused) == (4, 3)
+        # the first allowed of a candidate list, in its order; None if none is
+        assert m.first_allowed("r", [bad, good, bad]) == good
+        assert m.first_allowed("r", [bad]) is None
+        assert m.stats().deferred_rescued == 1
     finally:
         m.shutdown()
 
@@ -236,7 +294,7 @@ def _run(model_dir, defer: bool, reqs):
         llm.shutdown()
 
 
-def test_engine_tokens_are_the_same_deferred_or_not(tiny_model_dir):
+def test_engine_tokens_are_the_same_deferred_or_not(tiny_model_dir, tokenizer):
     """The tiny random model picks badly, so most deferred picks are refused and
     picked again: greedy outputs, a top-p request (it stays eager) and a free one
     are token for token the eager engine's; seeded temperature requests (one with
@@ -244,6 +302,7 @@ def test_engine_tokens_are_the_same_deferred_or_not(tiny_model_dir):
     same on a second deferred run, not the eager tokens; every finished output
     is in its grammar."""
     mk = lambda **kw: SamplingParams(max_tokens=40, **kw)          # noqa: E731
+    tok = lambda text: tokenizer.encode(text, add_special_tokens=False)[0]   # noqa: E731
     reqs = [([1, 2, 3, 4], mk(temperature=0, structured_outputs=SO(json=SCHEMA))),
             ([5, 6, 7], mk(temperature=0.9, seed=4, structured_outputs=SO(json=SCHEMA))),
             ([8, 9], mk(temperature=1.2, seed=9, structured_outputs=SO(regex=r"[a-z]{3,9}-[0-9]{2}"))),
@@ -253,17 +312,22 @@ def test_engine_tokens_are_the_same_deferred_or_not(tiny_model_dir):
             ([18, 19, 20], mk(temperature=0.9, seed=5, repetition_penalty=1.3, frequency_penalty=0.5,
                               logit_bias={7: 3.0, 9: -100}, min_tokens=3,
                               structured_outputs=SO(json=SCHEMA))),
-            ([15, 16, 17], mk(temperature=0.7, seed=2))]
+            ([15, 16, 17], mk(temperature=0.7, seed=2)),
+            # greedy, biased so that a refused pick's next best tokens hold allowed ones
+            # ('x' first; '"' and '{' next): re-picked from its candidates, no mask
+            ([21, 22], mk(temperature=0, logit_bias={tok("x"): 100, tok('"'): 60, tok("{"): 60},
+                          structured_outputs=SO(json=SCHEMA)))]
     on_ids, on_outs, on_stats = _run(tiny_model_dir, True, reqs)
     off_ids, off_outs, off_stats = _run(tiny_model_dir, False, reqs)
     again_ids, _, _ = _run(tiny_model_dir, True, reqs)
-    eager_equal = (0, 3, 4, 6)                  # greedy, top-p (never deferred), free
+    eager_equal = (0, 3, 4, 6, 7)               # greedy, top-p (never deferred), free
     assert [on_ids[i] for i in eager_equal] == [off_ids[i] for i in eager_equal]
     assert again_ids == on_ids                  # seeded redraws are reproducible
     assert on_ids != off_ids                    # (the sampled ones did take the redraw path)
     for out in (on_outs[2], off_outs[2]):
         assert out.finish_reason != "stop" or re.fullmatch(r"[a-z]{3,9}-[0-9]{2}", out.text)
     assert on_stats.deferred_checks > 10 and on_stats.deferred_refused > 0
+    assert 0 < on_stats.deferred_rescued < on_stats.deferred_refused   # both re-pick paths ran
     assert off_stats.deferred_checks == 0
     finished = 0
     for (_, sp), out in zip(reqs, on_outs):
