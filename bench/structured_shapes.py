@@ -10,8 +10,10 @@ before --output-len tokens (every constrained output must finish "length":
 asserted), and runs next to the same prompts unconstrained with ignore_eos,
 alternating, best of --reps each. Reports output tok/s both ways, the ratio,
 the engine steps (jump-forward can make the constrained run take fewer), the
-bitmask fill ms per step (engine thread, overlapped with the forward) and the
-apply ms per step (sampler, on the logits). Two shapes come from
+bitmask fill ms per step (engine thread, overlapped with the forward; closing
+searches included), the share of deferred picks the grammar refused and how many
+of those a greedy row's next best tokens answered without a mask, and the apply
+ms per step (sampler, on the logits). Two shapes come from
 ../shared/corpus (a Glaive tool-call argument schema and a Kubernetes object)
 when that folder is there.
 """
@@ -112,14 +114,15 @@ def main(argv=None) -> int:
           f"{'off' if args.no_budget_aware else 'on'}; "
           f"bitmask apply on [{args.batch}, vocab] logits: {apply_ms:.3f} ms per step")
     print("| shape | free tok/s | constrained tok/s | constrained ÷ free | steps free / constrained "
-          "| fill ms/step | load avg |")
-    print("|---|---|---|---|---|---|---|")
+          "| fill ms/step | deferred picks refused / rescued without a mask | load avg |")
+    print("|---|---|---|---|---|---|---|---|")
     ratios = []
     for name in names:
         so = StructuredOutputsParams(json=wrap(shapes[name]), backend=args.backend)
         cons = SamplingParams(temperature=0, max_tokens=args.output_len, structured_outputs=so)
         llm.chat(convs(2), cons, use_tqdm=False)              # compile (cached afterwards)
         best = {"free": (0.0, 0, 0.0), "cons": (0.0, 0, 0.0)}
+        g0 = llm.get_stats()
         for _ in range(args.reps):
             for kind, sp in (("free", free), ("cons", cons)):
                 s0 = llm.get_stats()
@@ -135,8 +138,13 @@ def main(argv=None) -> int:
                     best[kind] = (n / dt, steps, fill)
         (f_tps, f_steps, _), (c_tps, c_steps, c_fill) = best["free"], best["cons"]
         ratios.append(c_tps / f_tps)
+        g1 = llm.get_stats()
+        checks = g1.grammar_deferred_checks - g0.grammar_deferred_checks
+        refused = g1.grammar_deferred_refused - g0.grammar_deferred_refused
+        rescued = g1.grammar_deferred_rescued - g0.grammar_deferred_rescued
         print(f"| {name} | {f_tps:.1f} | {c_tps:.1f} | {c_tps / f_tps:.3f} | {f_steps} / {c_steps} "
-              f"| {c_fill:.2f} | {os.getloadavg()[0]:.2f} |", flush=True)
+              f"| {c_fill:.2f} | {100 * refused / max(checks, 1):.1f} % / {rescued} of {refused} "
+              f"| {os.getloadavg()[0]:.2f} |", flush=True)
     print(f"\nworst shape {min(ratios):.3f}, median {statistics.median(ratios):.3f}")
     llm.shutdown()
     return 0

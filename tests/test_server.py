@@ -596,6 +596,7 @@ def test_metrics_counters_move(server, client, model):
     # greedy: its first pick was made without the mask and checked (deferred masks)
     assert before["formwork_grammar_deferred_checks_total"] > checks
     assert "formwork_grammar_deferred_refused_total" in before
+    assert "formwork_grammar_deferred_rescued_total" in before
     r = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=8)
     after = metrics(server)
     label = f'{{model_name="{model}"}}'
