@@ -9,8 +9,12 @@ text the grammar then forces (a key name), tokenized as jump-forward does;
 biggest closing steps first; a token that leads back to its state's mask
 (string content) is not followed, so the search moves towards the end instead
 of writing. The path is short, not always the shortest.
-The manager narrows the bitmask row to the path's next token once the path
-needs (nearly) all the tokens left. Every token of the path is one the matcher
+The first search runs PROBE_AT tokens before the end (at the start of a
+shorter request); the path it finds sets how early the request's window opens,
+so a document whose closing path is longer than the default window still
+closes. The manager narrows the bitmask row to the path's next token once the
+path needs (nearly) all the tokens left; a request whose search finds nothing is
+not searched again. Every token of the path is one the matcher
 accepted, so the output stays inside the grammar: budget-awareness never makes
 an output invalid, it only turns cut ones into complete ones. Not a guarantee:
 a search that finds no path within NODE_LIMIT, or free tokens that lengthen the
@@ -48,6 +52,14 @@ SLACK = 2                # tokens of budget kept for what the next free token ma
 # 9.6 ms (785 tok/s) and still closed 50/50 outputs at max_tokens 24 (bench/budget_aware.py).
 WINDOW = 16              # closing paths are searched in a request's last WINDOW tokens
 SEARCH_EVERY = 8         # ... at least every SEARCH_EVERY tokens
+# A document whose closing path is longer than the window cannot be closed from
+# inside it (a 5-field object at max_tokens 32: a 33-token path, 0 of 50 closed). So
+# a request is searched once when it has PROBE_AT tokens left (at its start if it
+# has fewer), and its window opens EARLY_MARGIN tokens before that path's length.
+# That search is the request's first and counts as one (nothing found: GIVE_UP); a
+# request that ends before PROBE_AT tokens are left never pays for it.
+PROBE_AT = 64
+EARLY_MARGIN = 8
 # GIVE_UP: a request whose search found no path is not searched again. Measured with
 # SmolLM2 at temperature 0.7 (50 requests each: bench/budget_aware.py's schema at 24,
 # 32 and 40 tokens, bench/soak.py's 60-property storm schemas at 24, a nested schema
@@ -64,6 +76,8 @@ class Budget:
     closing_len: int = 0                # length of the last path found (0: none)
     searched_at: int | None = None      # `left` at the last search
     gave_up: bool = False               # a search found no path: never searched again
+    window: int = WINDOW                # searched when due once `left` is at most this
+    probed: bool = False                # the PROBE_AT search was done
     closed_early: bool = False          # a bitmask row was narrowed to close it
 
     def spend(self, token_ids: list[int]) -> None:
@@ -207,8 +221,12 @@ class ClosingSearch:
     def forced_next(self, budget: Budget, matcher: Matcher) -> int | None:
         """The closing path's next token once the path needs (nearly) all the tokens
         left, else None. Searches when due (so a second call in a step does not)."""
-        if budget.left > WINDOW:
-            return None
+        if budget.left > budget.window:
+            if budget.probed or budget.left > PROBE_AT:
+                return None
+            self._probe(budget, matcher)
+            if budget.left > budget.window:
+                return None
         if budget.closing is None and budget.search_due():
             budget.closing = self.path(matcher, budget.left)
             budget.closing_len = len(budget.closing) if budget.closing else 0
@@ -217,6 +235,16 @@ class ClosingSearch:
         if not budget.closing or len(budget.closing) + SLACK < budget.left:
             return None
         return budget.closing[0]
+
+    def _probe(self, budget: Budget, matcher: Matcher) -> None:
+        """PROBE_AT tokens before the end: where this request's window opens."""
+        budget.probed = True
+        path = self.path(matcher, budget.left)
+        budget.searched_at = budget.left
+        budget.gave_up = path is None
+        if path is not None:
+            budget.window = max(WINDOW, len(path) + EARLY_MARGIN)
+            budget.closing, budget.closing_len = path, len(path)
 
     def steer(self, budget: Budget, matcher: Matcher, bitmask: torch.Tensor, row: int) -> bool:
         """Narrow `bitmask[row]` to `forced_next`'s token; True if it did."""

@@ -10,7 +10,7 @@ import pytest
 
 from formwork.gateway.cli import build_parser, engine_config
 from formwork.grammar.backend import allowed_token_ids
-from formwork.grammar.budget import NODE_LIMIT, ClosingSearch
+from formwork.grammar.budget import NODE_LIMIT, PROBE_AT, ClosingSearch
 from formwork.grammar.jump_forward import ForcedTextEncoder
 from formwork.grammar.manager import StructuredOutputManager
 from formwork.schemas.structured import StructuredOutputsParams as P
@@ -159,11 +159,28 @@ def test_a_request_whose_search_failed_is_not_searched_again(manager, tokenizer,
     monkeypatch.setattr(manager._closing, "path", path)   # noqa: SLF001
     text, terminated, steered = _run(manager, tokenizer, "long", P(json=schema), 40)
     assert not terminated and not steered
-    assert searched == [16]              # the window's first search, none after it
+    assert searched == [40]              # the first search (PROBE_AT), none after it
+    searched.clear()
+    _run(manager, tokenizer, "long-100", P(json=schema), 100)
+    assert searched == [PROBE_AT]        # a longer budget: first searched PROBE_AT before its end
     searched.clear()
     one = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
     _, terminated, _ = _run(manager, tokenizer, "short", P(json=one), 24)
-    assert terminated and len(searched) >= 2 and searched[0] == 16   # paths found: again
+    assert terminated and len(searched) >= 2 and searched[:2] == [24, 16]   # found: again
+
+
+def test_a_path_longer_than_the_window_is_closed_in_time(manager, tokenizer):
+    """Five fields need a ~33-token closing path: from inside a 16-token window it
+    cannot be found in time; the first search, PROBE_AT tokens before the end,
+    opens this request's window early enough."""
+    flat = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+        "active": {"type": "boolean"}, "score": {"type": "number"},
+        "tier": {"enum": ["gold", "silver", "bronze"]}},
+        "required": ["name", "age", "active", "score", "tier"], "additionalProperties": False}
+    text, terminated, steered = _run(manager, tokenizer, "flat", P(json=flat), 40)
+    assert terminated and steered
+    jsonschema.validate(json.loads(text), flat)
 
 
 class _CountingTokenizer:
