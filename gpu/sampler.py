@@ -153,16 +153,23 @@ def mask_can_wait(p: SamplingParams) -> bool:
     return p.logprobs is None and (p.greedy or (p.top_p >= 1.0 and p.top_k <= 0 and p.min_p <= 0))
 
 
-def _uniforms(seeds: list[int | None], device) -> torch.Tensor:
-    """[B, 2] uniforms in (0, 1]: column 0 for the pick, column 1 for a redraw
-    (`resample`); a seeded row draws both from its own generator."""
-    u = torch.rand(len(seeds), 2, device=device)
+# Spare uniforms a deferred sampled row keeps for `Sampler.candidates` (draws tried
+# before its mask is filled); seeded rows draw them after their first two.
+SPARE_DRAWS = 8
+
+
+def _uniforms(seeds: list[int | None], device, spare: int = 0) -> torch.Tensor:
+    """[B, 2 + spare] uniforms in (0, 1]: column 0 for the pick, column 1 for a
+    redraw (`resample`), the rest for `candidates`; a seeded row draws them all
+    from its own generator, the first two as when there are no spare ones."""
+    n = 2 + spare
+    u = torch.rand(len(seeds), n, device=device)
     if any(s is not None for s in seeds):
         gen = torch.Generator(device=device)
         for i, seed in enumerate(seeds):
             if seed is not None:
                 gen.manual_seed(seed)
-                u[i] = torch.rand(2, generator=gen, device=device)
+                u[i] = torch.rand(n, generator=gen, device=device)
     return 1.0 - u
 
 
@@ -217,6 +224,7 @@ class _Kept:
     logits: torch.Tensor                # [K, V] after bias, bans and penalties, before temperature
     temperature: torch.Tensor           # [K]
     redraw: torch.Tensor | None         # [K] the rows' second uniforms; None when all greedy
+    spare: torch.Tensor | None = None   # [K, SPARE_DRAWS] uniforms for `candidates`
 
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -275,32 +283,52 @@ class Sampler:
                 probs = _weights(logits, batch.temperature, top.values)
             else:
                 probs = _top_k_top_p_min_p(_tempered(logits, batch.temperature), batch).softmax(-1)
-            u = _uniforms(batch.seeds, logits.device)
+            kept = keep is not None and keep.numel() > 0
+            u = _uniforms(batch.seeds, logits.device, SPARE_DRAWS if kept else 0)
             chosen = torch.where(batch.temperature > 0, _draw(probs, u[:, 0]), chosen)
         if keep is not None and keep.numel():
             self._kept = _Kept(logits.index_select(0, keep), batch.temperature.index_select(0, keep),
-                               u[:, 1].index_select(0, keep) if u is not None else None)
+                               u[:, 1].index_select(0, keep) if u is not None else None,
+                               u[:, 2:].index_select(0, keep) if u is not None else None)
         logprobs = (_logprobs(raw if raw is not None else logits, chosen, batch)
                     if batch.max_num_logprobs is not None else None)
         return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs)
 
     def candidates(self, kept_rows: torch.Tensor, k: int) -> list[list[int]]:
-        """For kept rows `kept_rows` (indices into the last call's `keep`): the greedy
-        rows' `k` best tokens in the order a masked argmax prefers them (higher logit,
-        then lower id), so the first one a grammar allows IS the eager greedy pick.
-        Cut before the k-th best value (a token tied with it may lie outside the k)
-        and before -inf; [] for sampled rows (their redraw needs the whole mask)."""
+        """For kept rows `kept_rows` (indices into the last call's `keep`), tokens to
+        try in order before the mask: the first one a grammar allows is an exact
+        masked pick. A greedy row: its `k` best tokens in the order a masked argmax
+        prefers them (higher logit, then lower id), cut before the k-th best value (a
+        token tied with it may lie outside the k) and before -inf; the first allowed
+        IS the eager greedy pick. A sampled row: up to SPARE_DRAWS independent draws
+        from its unmasked distribution (its spare uniforms): taking the first allowed
+        one is rejection sampling, and with the masked redraw when none is allowed
+        the pick still has exactly the masked distribution (`_deferred` docs)."""
         kept = self._kept
         assert kept is not None, "candidates without kept rows"
         logits = kept.logits.index_select(0, kept_rows)
-        vals, idx = logits.topk(min(k, logits.shape[-1]), dim=-1)
         greedy = ((kept.temperature.index_select(0, kept_rows) <= 0).tolist()
                   if kept.redraw is not None else [True] * len(kept_rows))
-        out = []
-        for g, vs, ids in zip(greedy, vals.tolist(), idx.tolist()):
-            edge = vs[-1]
-            pairs = sorted((-v, t) for v, t in zip(vs, ids) if v > edge and v != float("-inf"))
-            out.append([t for _, t in pairs] if g else [])
+        out: list[list[int]] = [[] for _ in greedy]
+        if any(greedy):
+            vals, idx = logits.topk(min(k, logits.shape[-1]), dim=-1)
+            for i, (g, vs, ids) in enumerate(zip(greedy, vals.tolist(), idx.tolist())):
+                if g:
+                    edge = vs[-1]
+                    out[i] = [t for _, t in sorted((-v, t) for v, t in zip(vs, ids)
+                                                   if v > edge and v != float("-inf"))]
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        if sampled and kept.spare is not None:
+            rows = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
+            sub = logits.index_select(0, rows)
+            temp = kept.temperature.index_select(0, kept_rows).index_select(0, rows)
+            weights = _weights(sub, temp, sub.max(-1, keepdim=True).values)
+            cdf = weights.cumsum(-1)
+            u = kept.spare.index_select(0, kept_rows).index_select(0, rows)[:, :k]
+            idx = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_max_(cdf.shape[-1] - 1)
+            fine = weights.gather(1, idx) > 0        # rounding at the end: never a zero
+            for i, ids, ok in zip(sampled, idx.tolist(), fine.tolist()):
+                out[i] = [t for t, o in zip(ids, ok) if o]
         return out
 
     def resample(self, kept_rows: torch.Tensor, bitmask: torch.Tensor) -> list[int]:

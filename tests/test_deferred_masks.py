@@ -124,11 +124,21 @@ def _packed(allowed: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(packed.view(np.int32).copy())
 
 
-def _deferred(logits, batch, allowed, bitmask) -> list[int]:
-    """Pick unmasked, re-pick the refused rows masked: what the engine does."""
+def _deferred(logits, batch, allowed, bitmask, rescue: bool = True) -> list[int]:
+    """Pick unmasked; a refused row takes its first allowed candidate (`rescue`), the
+    rest are re-picked masked: what the engine does."""
     s, rows = Sampler(), torch.arange(logits.shape[0])
     picks = s(logits.clone(), batch, keep=rows).token_ids
     refused = [i for i in range(len(picks)) if not allowed[i, picks[i]]]
+    if refused and rescue:
+        left = []
+        for i, cands in zip(refused, s.candidates(torch.tensor(refused), 8)):
+            t = next((t for t in cands if allowed[i, t]), None)
+            if t is None:
+                left.append(i)
+            else:
+                picks[i] = t
+        refused = left
     if refused:
         for i, t in zip(refused, s.resample(torch.tensor(refused), bitmask[refused])):
             picks[i] = t
@@ -150,7 +160,9 @@ def test_candidates_are_in_masked_argmax_order():
     assert s.candidates(torch.arange(3), 4) == [[2, 7, 4], [1, 3, 5], [6]]   # 9 ties the edge
     assert s.candidates(torch.tensor([1]), 3) == [[1]]              # edge value 0.5: cut
     s(logits[:2].clone(), _batch([0, 0.8], [None, 1]), keep=torch.arange(2))
-    assert s.candidates(torch.arange(2), 4) == [[2, 7, 4], []]
+    greedy_row, sampled_row = s.candidates(torch.arange(2), 4)
+    assert greedy_row == [2, 7, 4] and len(sampled_row) == 4      # draws, not a ranking
+    assert s.candidates(torch.arange(2), 4)[1] == sampled_row     # the row's own uniforms
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
         x = torch.randint(-3, 4, (1, 64), generator=g).float()      # many ties
@@ -176,7 +188,7 @@ def test_resample_is_the_eager_masked_pick_when_greedy():
         bitmask = _packed(allowed)
         batch = _batch(temps, [None, 7 + trial, None, None, None])
         eager = Sampler()(logits.clone(), batch, bitmask, torch.arange(n)).token_ids
-        picks = _deferred(logits, batch, allowed, bitmask)
+        picks = _deferred(logits, batch, allowed, bitmask, rescue=trial % 2 == 0)
         refused += sum(not allowed[i, logits[i].argmax()] for i in (0, 2, 4))
         assert [picks[i] for i in (0, 2, 4)] == [eager[i] for i in (0, 2, 4)], trial
         assert all(allowed[i, t] for i, t in enumerate(picks))
@@ -184,10 +196,30 @@ def test_resample_is_the_eager_masked_pick_when_greedy():
     assert refused > 20          # the resample path really ran
 
 
+def test_spare_draws_follow_the_unmasked_distribution():
+    """A sampled row's candidates are independent draws from softmax(logits / T):
+    each position's frequencies over many rows, and two positions agree as often as
+    independent draws do (sum of p squared)."""
+    v, n, temp = 12, 20000, 0.9
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 3.0, 2.5, -1.0, 0.2, 1.1, -2.0]])
+    ref = (logits[0] / temp).softmax(-1)
+    s = Sampler()
+    torch.manual_seed(5)
+    s(logits.repeat(n, 1), _batch([temp] * n, [None] * n), keep=torch.arange(n))
+    draws = torch.tensor(s.candidates(torch.arange(n), 8))       # [n, 8]
+    assert draws.shape == (n, 8)
+    for j in (0, 3, 7):
+        freq = torch.bincount(draws[:, j], minlength=v).float() / n
+        assert torch.allclose(freq, ref, atol=0.015), (j, freq, ref)
+    same = (draws[:, 0] == draws[:, 1]).float().mean()
+    assert abs(same - (ref ** 2).sum()) < 0.015
+
+
 @pytest.mark.parametrize("temp", [0.7, 1.3])
 def test_accept_or_redraw_has_the_masked_distribution(temp):
-    """Sampled rows: the deferred pick (unmasked draw, redraw masked when refused)
-    and the eager masked pick both follow softmax(logits / T) over the allowed
+    """Sampled rows: the deferred pick (unmasked draw; when refused, the first allowed
+    of the row's spare draws, else a masked redraw — and without the spare draws)
+    and the eager masked pick all follow softmax(logits / T) over the allowed
     tokens; a disallowed token is never returned."""
     v, n = 12, 20000
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 3.0, 2.5, -1.0, 0.2, 1.1, -2.0]])
@@ -198,7 +230,7 @@ def test_accept_or_redraw_has_the_masked_distribution(temp):
     bitmask = _packed(mask)
     batch = _batch([temp] * n, [None] * n)
     torch.manual_seed(3)
-    for picks in (_deferred(many, batch, mask, bitmask),
+    for picks in (_deferred(many, batch, mask, bitmask), _deferred(many, batch, mask, bitmask, False),
                   Sampler()(many.clone(), batch, bitmask, torch.arange(n)).token_ids):
         freq = torch.bincount(torch.tensor(picks), minlength=v).float() / n
         assert (freq[~allowed[0]] == 0).all()
