@@ -46,6 +46,13 @@ MAX_BRANCH = 6           # candidates expanded per state, in CLOSERS order
 # nothing, the common case once a document cannot close in time, costs a third.
 NODE_LIMIT = 32
 SLACK = 2                # tokens of budget kept for what the next free token may add
+# A search whose first dive (the first closer at every state, no depth limit) has
+# not ended after HOPELESS x the tokens left is not run: measured on 4,468 searches
+# (bench/budget_aware.py's shapes at 12-96 tokens, storm schemas; temperature 0.7),
+# 120 such dives, none where the full search found a path (1.5: 240, none; 1: 64 of
+# 394 found one). It costs a few states instead of 64 (~1 ms instead of ~7 for a
+# 60-property storm schema).
+HOPELESS = 2
 # The searches run on the engine thread beside the forward and compete for its cores:
 # measured at batch 32 (bench/structured_shapes.py 'flat'), window 32 / every 4 tokens
 # cost 28 ms of fill per step (628 tok/s, 906 with budget-aware off); 16 / 8 cost
@@ -147,14 +154,48 @@ class ClosingSearch:
 
     def path(self, matcher: Matcher, limit: int) -> list[int] | None:
         """Tokens (at most `limit`) that lead `matcher` to a state where the output may
-        end; None if none is found. The shorter of the searches in each closer order.
-        The matcher's state is unchanged."""
+        end; None if none is found (or the first dive says none will be: HOPELESS).
+        The shorter of the searches in each closer order. The matcher's state is
+        unchanged."""
         if self.can_end(matcher):
             return []
         nodes: dict[tuple[int, ...], _Node | None] = {}    # shared by both orders
+        if self._dive_is_long(matcher, limit, nodes):
+            return None
         found = [p for order in self.orders
                  if (p := self._search(matcher, limit, order, nodes)) is not None]
         return min(found, key=len) if found else None
+
+    def _dive_is_long(self, matcher: Matcher, limit: int, nodes: dict) -> bool:
+        """Follow the first allowed closer at every state (what the depth-first search
+        tries first) without a depth limit: True if it has not ended after
+        HOPELESS x `limit` tokens. False when it ends, gets stuck, or loops in string
+        content (nothing known). Its states are remembered for the search."""
+        root = nodes.get(())
+        if root is None:
+            root = nodes[()] = _Node([], False, self._mask(matcher))
+        sig, words = root.mask
+        path: tuple[int, ...] = ()
+        try:
+            while True:
+                node = None
+                for tid in self._candidates(words, self.orders[0]):
+                    if (node := self._expand(matcher, path, tid, nodes)) is not None:
+                        break
+                if node is None:
+                    return False
+                path += tuple(node.step)
+                if node.ends:
+                    return False
+                if len(path) > HOPELESS * limit:
+                    return True
+                if node.mask is None:
+                    node.mask = self._mask(matcher)
+                if node.mask[0] == sig:
+                    return False
+                sig, words = node.mask
+        finally:
+            matcher.rollback(len(path))
 
     def _expand(self, matcher: Matcher, path: tuple[int, ...], tid: int,
                 nodes: dict) -> "_Node | None":
