@@ -276,6 +276,7 @@ class Sampler:
         # max().indices, not argmax(): the same first-maximum index, measured 2.5x faster
         # on CPU ([48, 49152] float32: 0.59 vs 1.48 ms)
         u = None
+        kept = keep is not None and keep.numel() > 0
         top = logits.max(-1, keepdim=True)
         chosen = top.indices[:, 0]
         if not batch.all_greedy:
@@ -283,10 +284,9 @@ class Sampler:
                 probs = _weights(logits, batch.temperature, top.values)
             else:
                 probs = _top_k_top_p_min_p(_tempered(logits, batch.temperature), batch).softmax(-1)
-            kept = keep is not None and keep.numel() > 0
             u = _uniforms(batch.seeds, logits.device, SPARE_DRAWS if kept else 0)
             chosen = torch.where(batch.temperature > 0, _draw(probs, u[:, 0]), chosen)
-        if keep is not None and keep.numel():
+        if kept:
             self._kept = _Kept(logits.index_select(0, keep), batch.temperature.index_select(0, keep),
                                u[:, 1].index_select(0, keep) if u is not None else None,
                                u[:, 2:].index_select(0, keep) if u is not None else None)

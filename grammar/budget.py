@@ -171,10 +171,7 @@ class ClosingSearch:
         tries first) without a depth limit: True if it has not ended after
         HOPELESS x `limit` tokens. False when it ends, gets stuck, or loops in string
         content (nothing known). Its states are remembered for the search."""
-        root = nodes.get(())
-        if root is None:
-            root = nodes[()] = _Node([], False, self._mask(matcher))
-        sig, words = root.mask
+        sig, words = self._root(matcher, nodes).mask
         path: tuple[int, ...] = ()
         try:
             while True:
@@ -252,12 +249,14 @@ class ClosingSearch:
                     return step + rest
             return None
 
-        if limit <= 0:
-            return None
+        return dfs((), *self._root(matcher, nodes).mask, limit) if limit > 0 else None
+
+    def _root(self, matcher: Matcher, nodes: dict) -> _Node:
+        """The search's starting state (its mask filled once for the dive and both orders)."""
         root = nodes.get(())
         if root is None:
             root = nodes[()] = _Node([], False, self._mask(matcher))
-        return dfs((), *root.mask, limit)
+        return root
 
     def forced_next(self, budget: Budget, matcher: Matcher) -> int | None:
         """The closing path's next token once the path needs (nearly) all the tokens
