@@ -204,8 +204,7 @@ class EngineCore:
         left = []
         for r, cands in zip(refused, self.executor.candidates(refused, RESCUE_CANDIDATES)):
             refused_tok = out.sampled_token_ids[row[r]]
-            tok = self.structured.first_allowed(r, [t for t in cands if t != refused_tok]) \
-                if cands else None
+            tok = self.structured.first_allowed(r, [t for t in cands if t != refused_tok])
             if tok is None:
                 left.append(r)
             else:

@@ -286,8 +286,8 @@ class StructuredOutputManager:
 
     def first_allowed(self, request_id: str, token_ids: list[int]) -> int | None:
         """The first of `token_ids` the grammar allows next (matcher unchanged), or None.
-        With a greedy row's best tokens in masked-argmax order it is the eager pick,
-        found in a few checks instead of a mask fill and a second pick."""
+        With a row's candidates (gpu/sampler.Sampler.candidates) it is an exact masked
+        pick, found in a few checks instead of a mask fill and a second pick."""
         matcher = self._matcher(request_id)
         for t in token_ids:
             if matcher.accepts(t):
