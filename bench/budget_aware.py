@@ -9,7 +9,7 @@ and gets too few tokens to write it freely. The same prompts and seeds run with
 `structured_outputs.budget_aware` false, then true; the table counts outputs
 that parse and validate, their finish reasons, and the wall time of each run.
 `--shapes`: the same for every shape of bench/structured_shapes.py that can end
-(and a ten-field record) at each --max-tokens: valid outputs off / on per cell.
+(a ten-field record, a pattern-and-minLength record) at each --max-tokens: valid outputs off / on per cell.
 """
 from __future__ import annotations
 
@@ -35,6 +35,13 @@ TEN_FIELDS = {"type": "object", "additionalProperties": False,
               "properties": {f"field_{i}": {"type": "integer"} if i % 3 == 0 else
                              {"type": "string", "maxLength": 30} for i in range(10)},
               "required": [f"field_{i}" for i in range(10)]}
+# Strings that cannot close at once: a pattern of counted digits and a minLength (their
+# content repeats the same mask while it progresses).
+CODED = {"type": "object", "additionalProperties": False,
+         "properties": {"id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{5}$"},
+                        "summary": {"type": "string", "minLength": 40},
+                        "priority": {"enum": ["low", "medium", "high"]}},
+         "required": ["id", "summary", "priority"]}
 
 
 def valid(text: str, schema: dict = SCHEMA) -> bool:
@@ -67,6 +74,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[24])
     ap.add_argument("--shapes", action="store_true", help="every shape x every --max-tokens")
+    ap.add_argument("--only", nargs="+", default=None, help="with --shapes: these shapes only")
     ap.add_argument("--temperature", type=float, default=0.7)
     args = ap.parse_args()
     llm = LLM(args.model, engine_process=False, max_model_len=1024)
@@ -94,7 +102,9 @@ def shapes_table(llm: LLM, convs: list, args) -> None:
     import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from structured_shapes import SHAPES
-    shapes = {k: v for k, v in SHAPES.items() if k != "long_string"} | {"ten_fields": TEN_FIELDS}
+    shapes = {k: v for k, v in SHAPES.items() if k != "long_string"} | \
+        {"ten_fields": TEN_FIELDS, "coded": CODED}
+    shapes = {k: v for k, v in shapes.items() if not args.only or k in args.only}
     print(f"{args.num_requests} requests per cell, temperature {args.temperature}; "
           "valid outputs with budget_aware off / on")
     print("| shape | " + " | ".join(f"max_tokens {m}" for m in args.max_tokens) + " |")

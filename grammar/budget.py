@@ -1,8 +1,10 @@
 """Budget-aware constrained decoding: close the output before max_tokens cuts it.
 
 When a constrained request has few tokens left (max_tokens or context room), a
-bounded depth-first search over the matcher finds a short token path to a
-state where the output may end (the document is complete). It expands only
+first dive (the first closing token the matcher accepts at every state, string
+content followed where none is) and then a bounded depth-first search over the
+matcher find a short token path to a
+state where the output may end (the document is complete). The search expands only
 "closing" tokens (`"}`, `"`, `}`, `]`, `0`, `""`, ...) and, where none is
 allowed, single-byte tokens, at most MAX_BRANCH per state, each followed by the
 text the grammar then forces (a key name), tokenized as jump-forward does;
@@ -51,8 +53,16 @@ SLACK = 2                # tokens of budget kept for what the next free token ma
 # (bench/budget_aware.py's shapes at 12-96 tokens, storm schemas; temperature 0.7),
 # 120 such dives, none where the full search found a path (1.5: 240, none; 1: 64 of
 # 394 found one). It costs a few states instead of 64 (~1 ms instead of ~7 for a
-# 60-property storm schema).
+# 60-property storm schema). That dive stopped (and the full search ran) at the first
+# state whose mask repeated the last one: string content, but also `}` after `}`, a
+# digit after a digit. The dive now asks the matcher token by token, follows string
+# content and keeps its path when it ends: the probe's failing searches on
+# bench/structured_shapes.py cost 2-4x less (nested 10 -> 2 ms a request, pattern
+# the same), and bench/budget_aware.py --shapes closes 663 of 900 outputs instead
+# of 647 (a ten-field record and a pattern-and-minLength record at 96 tokens: 12 -> 20).
 HOPELESS = 2
+ENDS, LONG, STUCK = "ends", "long", "stuck"     # how a first dive ended
+CONTENT_KEPT = 4         # content bytes a dive tries again before asking for a mask
 # The searches run on the engine thread beside the forward and compete for its cores:
 # measured at batch 32 (bench/structured_shapes.py 'flat'), window 32 / every 4 tokens
 # cost 28 ms of fill per step (628 tok/s, 906 with budget-aware off); 16 / 8 cost
@@ -73,6 +83,13 @@ EARLY_MARGIN = 8
 # at 20): 105 requests had a search that found nothing, 80 of them searched again
 # later, none found a path; each such search costs a failing search's full price
 # (~1.7 ms on the engine thread, and a storm's 64 requests reach it in one step).
+
+
+def _last_to_end(tokens: list[int], last: int | None) -> list[int]:
+    """`tokens` with `last` (if among them) moved to the end."""
+    if last is None or last not in tokens:
+        return tokens
+    return [t for t in tokens if t != last] + [last]
 
 
 @dataclass(slots=True)
@@ -155,42 +172,60 @@ class ClosingSearch:
     def path(self, matcher: Matcher, limit: int) -> list[int] | None:
         """Tokens (at most `limit`) that lead `matcher` to a state where the output may
         end; None if none is found (or the first dive says none will be: HOPELESS).
-        The shorter of the searches in each closer order. The matcher's state is
-        unchanged."""
+        In each closer order: its first dive, then a search for a shorter path; the
+        shortest found is kept. The matcher's state is unchanged."""
         if self.can_end(matcher):
             return []
-        nodes: dict[tuple[int, ...], _Node | None] = {}    # shared by both orders
-        if self._dive_is_long(matcher, limit, nodes):
-            return None
-        found = [p for order in self.orders
-                 if (p := self._search(matcher, limit, order, nodes)) is not None]
+        nodes: dict[tuple[int, ...], _Node | None] = {}    # shared by the dives and searches
+        found = []
+        for k, order in enumerate(self.orders):
+            dive, verdict = self._dive(matcher, (HOPELESS if k == 0 else 1) * limit, order, nodes)
+            if verdict == LONG and k == 0:
+                return None
+            depth = limit
+            if verdict == ENDS and len(dive) <= limit:
+                found.append(list(dive))
+                depth = len(dive) - 1
+            if (p := self._search(matcher, depth, order, nodes)) is not None:
+                found.append(p)
         return min(found, key=len) if found else None
 
-    def _dive_is_long(self, matcher: Matcher, limit: int, nodes: dict) -> bool:
-        """Follow the first allowed closer at every state (what the depth-first search
-        tries first) without a depth limit: True if it has not ended after
-        HOPELESS x `limit` tokens. False when it ends, gets stuck, or loops in string
-        content (nothing known). Its states are remembered for the search."""
-        sig, words = self._root(matcher, nodes).mask
+    def _dive(self, matcher: Matcher, cap: int, closers: list[int],
+              nodes: dict) -> tuple[tuple[int, ...], str]:
+        """Follow the first of `closers` the matcher accepts at every state (what the
+        depth-first search tries first): (its path, ENDS) when the output may end
+        there, (path, LONG) when it has not after `cap` tokens, (path, STUCK) when
+        neither a closer nor a single-byte token is allowed. Closers are asked one by
+        one (`accepts`: ~1 us each, a mask ~0.1 ms); the token just accepted is asked
+        last (an integer would take '0' for ever). Where no closer is allowed, one of
+        the last CONTENT_KEPT content bytes if allowed, else the mask's first single
+        byte (a pattern's item costs a mask per kind of character once): string
+        content (a minLength, a `[0-9]{4}`: the same mask while it progresses) is
+        followed, so a dive's path also closes such strings, which the search's
+        same-mask rule cannot. Its states are remembered for the search."""
         path: tuple[int, ...] = ()
+        node = self._root(nodes)
+        last = None              # the last token
+        content: list[int] = []  # the last few content (single-byte) picks, latest first
         try:
             while True:
-                node = None
-                for tid in self._candidates(words, self.orders[0]):
-                    if (node := self._expand(matcher, path, tid, nodes)) is not None:
-                        break
-                if node is None:
-                    return False
-                path += tuple(node.step)
+                tid = next((t for t in _last_to_end(closers, last) if matcher.accepts(t)), None)
+                if tid is None:              # string content goes on: no mask
+                    tid = next((t for t in content if matcher.accepts(t)), None)
+                if tid is None:              # no closer: the first allowed single byte
+                    singles = self._candidates(self._mask_of(node, matcher)[1], [])
+                    tid = singles[0] if singles else None
+                if tid is not None and tid not in closers:
+                    content = [tid] + [t for t in content if t != tid][:CONTENT_KEPT - 1]
+                step = None if tid is None else self._expand(matcher, path, tid, nodes)
+                if step is None:
+                    return path, STUCK
+                last = step.step[-1]
+                node, path = step, path + tuple(step.step)
                 if node.ends:
-                    return False
-                if len(path) > HOPELESS * limit:
-                    return True
-                if node.mask is None:
-                    node.mask = self._mask(matcher)
-                if node.mask[0] == sig:
-                    return False
-                sig, words = node.mask
+                    return path, ENDS
+                if len(path) > cap:
+                    return path, LONG
         finally:
             matcher.rollback(len(path))
 
@@ -239,24 +274,32 @@ class ClosingSearch:
                     if len(step) <= depth and node.ends:
                         return list(step)
                     if len(step) < depth:
-                        if node.mask is None:
-                            node.mask = self._mask(matcher)
-                        if node.mask[0] != sig:
-                            rest = dfs(path + tuple(step), *node.mask, depth - len(step))
+                        mask = self._mask_of(node, matcher)
+                        if mask[0] != sig:
+                            rest = dfs(path + tuple(step), *mask, depth - len(step))
                 finally:
                     matcher.rollback(len(step))
                 if rest is not None:
                     return step + rest
             return None
 
-        return dfs((), *self._root(matcher, nodes).mask, limit) if limit > 0 else None
+        if limit <= 0:
+            return None
+        return dfs((), *self._mask_of(self._root(nodes), matcher), limit)
 
-    def _root(self, matcher: Matcher, nodes: dict) -> _Node:
-        """The search's starting state (its mask filled once for the dive and both orders)."""
+    @staticmethod
+    def _root(nodes: dict) -> _Node:
+        """The search's starting state, shared by the dive and both orders."""
         root = nodes.get(())
         if root is None:
-            root = nodes[()] = _Node([], False, self._mask(matcher))
+            root = nodes[()] = _Node([], False)
         return root
+
+    def _mask_of(self, node: _Node, matcher: Matcher) -> tuple[bytes, list[int]]:
+        """`node`'s mask (`matcher` is in its state), filled once."""
+        if node.mask is None:
+            node.mask = self._mask(matcher)
+        return node.mask
 
     def forced_next(self, budget: Budget, matcher: Matcher) -> int | None:
         """The closing path's next token once the path needs (nearly) all the tokens

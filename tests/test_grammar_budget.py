@@ -10,7 +10,7 @@ import pytest
 
 from formwork.gateway.cli import build_parser, engine_config
 from formwork.grammar.backend import allowed_token_ids
-from formwork.grammar.budget import NODE_LIMIT, PROBE_AT, ClosingSearch
+from formwork.grammar.budget import NODE_LIMIT, PROBE_AT, STUCK, ClosingSearch
 from formwork.grammar.jump_forward import ForcedTextEncoder
 from formwork.grammar.manager import StructuredOutputManager
 from formwork.schemas.structured import StructuredOutputsParams as P
@@ -108,7 +108,7 @@ def test_a_failing_search_looks_at_each_state_once(manager, tokenizer, monkeypat
     and the second finds the states the first already reached remembered (a mask
     fill per state at most once; without that it is about twice as many). The
     first-dive cut-off (next test) is off here so that the searches run."""
-    monkeypatch.setattr(ClosingSearch, "_dive_is_long", lambda *a: False)
+    monkeypatch.setattr(ClosingSearch, "_dive", lambda *a: ((), STUCK))
     props = {f"property_number_{k}_with_a_long_name": {"type": "string"} for k in range(12)}
     schema = {"type": "object", "properties": props, "required": list(props),
               "additionalProperties": False}
@@ -144,7 +144,7 @@ def test_a_hopeless_search_stops_after_its_first_dive(manager, tokenizer, monkey
     search = ClosingSearch(manager.vocab, VOCAB, tokenizer.eos_token_id, encoder)
     fills = _counting(search)
     assert search.path(matcher, 16) is None
-    monkeypatch.setattr(ClosingSearch, "_dive_is_long", lambda *a: False)
+    monkeypatch.setattr(ClosingSearch, "_dive", lambda *a: ((), STUCK))
     full = ClosingSearch(manager.vocab, VOCAB, tokenizer.eos_token_id, encoder)
     full_fills = _counting(full)
     assert full.path(matcher, 16) is None
@@ -209,6 +209,57 @@ def test_a_path_longer_than_the_window_is_closed_in_time(manager, tokenizer):
     text, terminated, steered = _run(manager, tokenizer, "flat", P(json=flat), 40)
     assert terminated and steered
     jsonschema.validate(json.loads(text), flat)
+
+
+CODED = {"type": "object", "additionalProperties": False,
+         "properties": {"id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{5}$"},
+                        "summary": {"type": "string", "minLength": 30}},
+         "required": ["id", "summary"]}
+
+
+def _search(manager, tokenizer, schema, written):
+    matcher = manager._compile(P(json=schema))[0].new_matcher()    # noqa: SLF001
+    assert matcher.accept_tokens(tokenizer.encode(written, add_special_tokens=False))
+    search = ClosingSearch(manager.vocab, VOCAB, tokenizer.eos_token_id,
+                           ForcedTextEncoder(tokenizer, manager.vocab))
+    return matcher, search
+
+
+@pytest.mark.parametrize("written", ['{"id": "', '{"id": "ABC-12', '{"id": "ABC-12345", "summary": "So'])
+def test_strings_that_repeat_a_mask_while_they_progress_are_closed(manager, tokenizer, written):
+    """Counted digits and a minLength keep the same mask for several tokens: the
+    search does not follow such a token (it cannot tell progress from free text),
+    the first dive does, so these strings close too."""
+    matcher, search = _search(manager, tokenizer, CODED, written)
+    path = search.path(matcher, 80)
+    assert path is not None and matcher.accept_tokens(path) and search.can_end(matcher)
+    jsonschema.validate(json.loads(written + tokenizer.decode(path)), CODED)
+
+
+def test_an_integer_does_not_take_zeros_for_ever(manager, tokenizer):
+    """Inside an integer '0' is always allowed and comes before ',' among the
+    closers: the token just taken is tried last, so the dive ends the number."""
+    nested = {"type": "object", "additionalProperties": False, "required": ["id", "tags"],
+              "properties": {"id": {"type": "integer"},
+                             "tags": {"type": "array", "items": {"type": "string"}}}}
+    matcher, search = _search(manager, tokenizer, nested, '{"id": 12')
+    dive, verdict = search._dive(matcher, 32, search.orders[0], {})  # noqa: SLF001
+    assert verdict == "ends" and len(dive) < 16
+    assert json.loads('{"id": 12' + tokenizer.decode(list(dive)))["id"] < 10**6
+
+
+def test_a_dive_through_patterned_items_asks_few_masks(manager, tokenizer):
+    """Sixty patterned strings cannot close in 24 tokens: the dive finds that
+    (LONG) asking the matcher about single tokens, with a mask only where a new
+    kind of character first comes (not once per character or item)."""
+    items = {"type": "array", "minItems": 60,
+             "items": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"}}
+    matcher, search = _search(manager, tokenizer, items, '["AB-1234", "C')
+    fills = _counting(search)
+    dive, verdict = search._dive(matcher, 48, search.orders[0], {})  # noqa: SLF001
+    assert verdict == "long" and len(dive) > 48
+    assert len(fills) <= 3, len(fills)
+    assert search.path(matcher, 24) is None
 
 
 class _CountingTokenizer:
