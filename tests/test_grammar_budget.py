@@ -131,7 +131,7 @@ def test_a_failing_search_looks_at_each_state_once(manager, tokenizer, monkeypat
 
 
 def test_a_hopeless_search_stops_after_its_first_dive(manager, tokenizer, monkeypatch):
-    """The same twelve keys in 16 tokens: the first dive has not ended after 32
+    """The same twelve keys in 16 tokens: the first dive has not ended after 24
     tokens, so no search runs (fewer mask fills than the search); a search that
     can succeed is not cut (its dive ends)."""
     props = {f"property_number_{k}_with_a_long_name": {"type": "string"} for k in range(12)}
