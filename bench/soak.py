@@ -67,6 +67,7 @@ class Outcome:
     duplicated: bool = False
     retries: int = 0
     latency: float = 0.0
+    tokens: int = 0                 # completion tokens (non-streamed answers)
     response_ids: list[str] = field(default_factory=list)
 
 
@@ -140,6 +141,7 @@ async def _plain(client, body, schema, _disconnect, out: Outcome) -> float | Non
     out.response_ids.append(data["id"])
     choices = data["choices"]
     out.duplicated = len(choices) != 1
+    out.tokens = (data.get("usage") or {}).get("completion_tokens") or 0
     _check(out, choices[0]["message"]["content"] or "", choices[0]["finish_reason"], schema)
     out.status = "answered"
     return None
@@ -208,6 +210,10 @@ def p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def p90(xs: list[float]) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))] if xs else float("nan")
+
+
 def p99(xs: list[float]) -> float:
     return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
 
@@ -240,43 +246,60 @@ async def main_phase(client, args, server_pid: int) -> tuple[list[Outcome], dict
     return list(outcomes), info
 
 
-async def storm_phase(client, args, with_schemas: bool, round_: int, model: str = "m"
-                      ) -> tuple[list[Outcome], list[float]]:
-    """--storm requests at once (each with a distinct 60-property schema, or none)
-    while small plain requests run one at a time; (their outcomes, the latencies)."""
+async def storm_phase(client, args, with_schemas: bool, round_: int, model: str = "m",
+                      ignore_eos: bool = False) -> tuple[list[Outcome], list[float]]:
+    """--storm requests at once (each with a distinct 60-property schema, or none;
+    `ignore_eos`: each runs to max_tokens) while small plain requests run one at a
+    time; (their outcomes, the latencies)."""
     stop = asyncio.Event()
     lat_task = asyncio.create_task(small_latencies(client, stop, 0, model))
     await asyncio.sleep(0.2)
     schemas = [storm_schema(round_ * args.storm + i) if with_schemas else None
                for i in range(args.storm)]
-    outcomes = await asyncio.gather(*(
-        one(client, "storm", body_for("storm", s, args.storm_max_tokens, False, model), s, False)
-        for s in schemas))
+    bodies = [body_for("storm", s, args.storm_max_tokens, False, model) for s in schemas]
+    for b in bodies:
+        if ignore_eos:
+            b["ignore_eos"] = True
+    outcomes = await asyncio.gather(*(one(client, "storm", b, s, False)
+                                      for b, s in zip(bodies, schemas)))
     stop.set()
     return list(outcomes), await lat_task
 
 
+# The storm phases of measure_storm: (name, with schemas, ignore_eos). A schema storm's
+# requests cannot finish a 60-property object in max_tokens, so each writes all of
+# them; without schemas most stop at eos after half as many: "plain_equal" is the same
+# storm without schemas at the schema storm's output lengths.
+STORM_PHASES = (("schemas", True, False), ("plain", False, False), ("plain_equal", False, True))
+
+
 async def measure_storm(url: str, model: str, rounds: int, storm: int = 100,
                         max_tokens: int = 24) -> dict:
-    """The storm alone against any OpenAI-compatible server (bench/vs_vllm.py): p50 ms
-    of the small plain requests idle, during `storm` distinct-schema requests, during
-    the same storm without schemas; `rounds` rounds of new schemas."""
+    """The storm alone against any OpenAI-compatible server (bench/vs_vllm.py): the
+    small plain requests' latency idle and during each of STORM_PHASES (`rounds`
+    rounds of new schemas): p50 ms under the phase's name, `<name>_mean` and
+    `<name>_p90` ms, and `<name>_tokens` (mean completion tokens of its requests)."""
     args = argparse.Namespace(storm=storm, storm_max_tokens=max_tokens)
-    lat: dict = {"idle": [], "schemas": [], "plain": []}
+    lat: dict = {"idle": []} | {name: [] for name, *_ in STORM_PHASES}
+    tokens: dict = {name: [] for name, *_ in STORM_PHASES}
     answered = invalid = 0
     async with httpx.AsyncClient(base_url=url, timeout=600.0,
                                  limits=httpx.Limits(max_connections=storm + 20)) as client:
         await small_latencies(client, None, 3, model)            # warm-up
         lat["idle"] = await small_latencies(client, None, 20, model)
         for r in range(rounds):
-            for key in ("schemas", "plain"):
-                outs, got = await storm_phase(client, args, key == "schemas", r, model)
+            for name, with_schemas, ignore_eos in STORM_PHASES:
+                outs, got = await storm_phase(client, args, with_schemas, r, model, ignore_eos)
                 answered += sum(o.status == "answered" for o in outs)
                 invalid += sum(o.valid is False for o in outs)
-                lat[key] += got
+                lat[name] += got
+                tokens[name] += [o.tokens for o in outs]
     res = {k: 1000 * p50(v) for k, v in lat.items()}
-    return res | {"answered": answered, "invalid": invalid, "requests": 2 * storm * rounds,
-                  "load1": os.getloadavg()[0]}
+    res |= {f"{k}_mean": 1000 * statistics.fmean(v) for k, v in lat.items() if v}
+    res |= {f"{k}_p90": 1000 * p90(v) for k, v in lat.items() if v}
+    res |= {f"{k}_tokens": statistics.fmean(v) for k, v in tokens.items() if v}
+    return res | {"answered": answered, "invalid": invalid,
+                  "requests": len(STORM_PHASES) * storm * rounds, "load1": os.getloadavg()[0]}
 
 
 async def kv_held(client) -> float | None:

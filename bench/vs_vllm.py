@@ -22,7 +22,9 @@ What it does:
   ignore_eos), output tok/s, best of --reps;
 - storm: bench/soak.py's compile storm against each server (small plain
   requests timed idle, during 100 distinct-schema requests, during the same
-  100 without schemas);
+  100 without schemas, and without schemas at the schema requests' output
+  lengths: they cannot finish in max_tokens, the plain ones mostly stop at eos
+  after half as many; p50 in the table, mean / p90 and tokens below it);
 - contention: the mixed workload again while another process burns one core,
   the retention against the quiet run.
 
@@ -188,8 +190,9 @@ def stop_server(proc: subprocess.Popen) -> None:
 def run_storm(system: str, python: str, model_dir: str, rounds: int, timeout: float) -> dict:
     """bench/soak.py's compile storm against each system's server: the p50 latency of
     small plain requests (4 tokens, one at a time) idle, during 100 concurrent requests
-    each with a distinct 60-property schema (max_tokens 24), and during the same 100
-    without schemas; median over --reps rounds of new schemas."""
+    each with a distinct 60-property schema (max_tokens 24), during the same 100
+    without schemas, and without schemas at equal output lengths (ignore_eos); over
+    --reps rounds of new schemas (soak.measure_storm)."""
     port = free_port()
     proc = start_server(system, python, model_dir, port)
     try:
@@ -279,8 +282,12 @@ def print_table(res: dict, systems: list[str]) -> None:
     row("storm: small plain request p50 idle, ms (lower is better)", st("idle"), lower_better=True)
     row("... during 100 distinct-schema requests, ms", st("schemas"), lower_better=True)
     row("... during the same 100 without schemas, ms", st("plain"), lower_better=True)
+    row("... without schemas at the schema storm's output lengths (ignore_eos), ms", st("plain_equal"),
+        lower_better=True)
     row("schema storm ÷ idle (#13 goal: <= 2)", lambda r: r["storm"]["schemas"] / r["storm"]["idle"],
         "{:.2f}", lower_better=True)
+    row("schema storm ÷ the same lengths without schemas",
+        lambda r: r["storm"]["schemas"] / r["storm"]["plain_equal"], "{:.2f}", lower_better=True)
     row("mixed while one core is burnt, total tok/s", lambda r: r["contention"]["mixed"]["total_tok_s"])
     row("contention retention (busy ÷ quiet)",
         lambda r: r["contention"]["mixed"]["total_tok_s"] / r["offline"]["mixed"]["total_tok_s"], "{:.2f}")
@@ -291,8 +298,15 @@ def print_table(res: dict, systems: list[str]) -> None:
             loads["server"] = res[s]["server"]["load1"]
         if "storm" in res[s]:
             loads["storm"] = res[s]["storm"]["load1"]
-            print(f"{s} storm requests answered: {res[s]['storm']['answered']} of "
-                  f"{res[s]['storm']['requests']}, invalid {res[s]['storm'].get('invalid')}")
+            st = res[s]["storm"]
+            print(f"{s} storm requests answered: {st['answered']} of "
+                  f"{st['requests']}, invalid {st.get('invalid')}")
+            print(f"{s} storm small-request latency mean / p90 ms: " + ", ".join(
+                f"{k} {st[k + '_mean']:.0f} / {st[k + '_p90']:.0f}"
+                for k in ("idle", "schemas", "plain", "plain_equal") if k + "_mean" in st)
+                + "; completion tokens per storm request: " + ", ".join(
+                f"{k} {st[k + '_tokens']:.1f}" for k in ("schemas", "plain", "plain_equal")
+                if k + "_tokens" in st))
         if "contention" in res[s]:
             loads["contention"] = res[s]["contention"]["mixed"]["load1"]
         print(f"load average (1 min) at the end of each {s} section: "

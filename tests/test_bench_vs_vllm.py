@@ -32,15 +32,22 @@ def test_table_ratios(capsys):
 
 def test_table_storm_rows(capsys):
     vs = _load("vs_vllm")
-    def res(idle, schemas, plain):
-        return {"storm": {"idle": idle, "schemas": schemas, "plain": plain, "answered": 400,
-                          "invalid": 0, "requests": 400, "load1": 1.0}}
-    vs.print_table({"formwork": res(100.0, 300.0, 200.0), "vllm": res(120.0, 240.0, 180.0)},
+    def res(idle, schemas, plain, equal):
+        lat = {"idle": idle, "schemas": schemas, "plain": plain, "plain_equal": equal}
+        return {"storm": lat | {f"{k}_mean": 2 * v for k, v in lat.items()}
+                | {f"{k}_p90": 3 * v for k, v in lat.items()}
+                | {"schemas_tokens": 24.0, "plain_tokens": 12.5, "plain_equal_tokens": 24.0,
+                   "answered": 600, "invalid": 0, "requests": 600, "load1": 1.0}}
+    vs.print_table({"formwork": res(100.0, 300.0, 200.0, 250.0), "vllm": res(120.0, 240.0, 180.0, 160.0)},
                    ["formwork", "vllm"])
     out = capsys.readouterr().out
     assert "| ... during 100 distinct-schema requests, ms | 300.0 | 240.0 | **0.80**" in out
     assert "| schema storm ÷ idle (#13 goal: <= 2) | 3.00 | 2.00 | **0.67**" in out
-    assert "formwork storm requests answered: 400 of 400, invalid 0" in out
+    assert "| schema storm ÷ the same lengths without schemas | 1.20 | 1.50 | **1.25**" in out
+    assert "formwork storm requests answered: 600 of 600, invalid 0" in out
+    assert ("formwork storm small-request latency mean / p90 ms: idle 200 / 300, schemas 600 / 900, "
+            "plain 400 / 600, plain_equal 500 / 750; completion tokens per storm request: "
+            "schemas 24.0, plain 12.5, plain_equal 24.0") in out
 
 
 def test_worker_imports_no_formwork():
