@@ -26,7 +26,7 @@ from formwork.gpu.model_files import load_tokenizer, resolve_model
 from formwork.gpu.sampler import mask_can_wait
 from formwork.grammar.manager import StructuredOutputManager
 from formwork.schemas.config import EngineConfig
-from formwork.schemas.sampling import check_token_ids
+from formwork.schemas.sampling import check_priority, check_token_ids
 from formwork.schemas.engine import EngineCoreOutputs, EngineCoreRequest, EngineStats
 from formwork.schemas.scheduler import SchedulerOutput
 from formwork.schemas.structured import GrammarStats
@@ -77,6 +77,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             kv_cache_manager=self.kv_manager,
             structured_output_manager=self.structured,
+            scheduling_policy=config.scheduling_policy,
         )
         self._aborts: collections.deque[str] = collections.deque()
         self._abort_lock = threading.Lock()
@@ -96,6 +97,7 @@ class EngineCore:
         SamplingParams checked itself when built or decoded (docs/architecture.md)."""
         self.check_prompt(req.prompt_token_ids)
         check_token_ids(req.sampling_params, self.vocab_size)
+        check_priority(req.sampling_params, self.config.scheduling_policy)
         self.scheduler.add_request(Request.from_engine_request(req))
 
     def check_prompt(self, ids: list[int]) -> None:

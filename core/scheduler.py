@@ -32,7 +32,7 @@ class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool, kv_cache_manager: KVCacheManager,
                  structured_output_manager: StructuredOutputManagerProtocol | None = None,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0, scheduling_policy: str = "fcfs") -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -40,8 +40,12 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.som = structured_output_manager
         self.long_prefill_token_threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
+        # "priority": the waiting queue is kept in (priority, arrival) order and the
+        # preemption victim is the highest (priority, arrival); "fcfs": arrival order
+        self.by_priority = scheduling_policy == "priority"
         self.requests: dict[str, Request] = {}     # unfinished only
-        self.waiting: deque[Request] = deque()     # WAITING / WAITING_FOR_GRAMMAR / PREEMPTED, FCFS
+        # WAITING / WAITING_FOR_GRAMMAR / PREEMPTED: FCFS, or (priority, arrival) order
+        self.waiting: deque[Request] = deque()
         self.running: list[Request] = []           # RUNNING, admission order
         self.num_preemptions = 0
         self._in_runner: set[str] = set()          # ids whose state the runner holds
@@ -72,7 +76,23 @@ class Scheduler:
         else:
             req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if self.by_priority:
+            self._insert_by_priority(req)
+        else:
+            self.waiting.append(req)
+
+    @staticmethod
+    def _rank(req: Request) -> tuple[int, float]:
+        return req.sampling_params.priority, req.arrival_time
+
+    def _insert_by_priority(self, req: Request) -> None:
+        """Into `waiting` after every request of a lower or equal rank (a preempted one
+        keeps its arrival time, so it comes back before later arrivals of its priority)."""
+        rank = self._rank(req)
+        i = len(self.waiting)
+        while i > 0 and self._rank(self.waiting[i - 1]) > rank:
+            i -= 1
+        self.waiting.insert(i, req)
 
     # ---- planning ------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -117,7 +137,8 @@ class Scheduler:
                 self._pending_outputs.append(self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED))
                 return None
             cands = self.running[i:]
-            victim = cands[policy.pick_victim([r.arrival_time for r in cands])]
+            victim = (max(reversed(cands), key=self._rank) if self.by_priority
+                      else cands[policy.pick_victim([r.arrival_time for r in cands])])
             self._preempt(victim)
             if victim is req:
                 return None
@@ -130,7 +151,10 @@ class Scheduler:
         req.num_computed_tokens = 0        # recompute: K/V are dropped
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._insert_by_priority(req)
+        else:
+            self.waiting.appendleft(req)
         self._drop_from_runner(req.request_id)
 
     def _schedule_waiting(self, plan: PlanBuilder) -> None:
@@ -152,7 +176,7 @@ class Scheduler:
                                                 or req.status == RequestStatus.PREEMPTED),
                                  long_prefill_threshold=self.long_prefill_token_threshold)
             if n == 0 or (new_ids := self.kv.allocate_slots(req, n, computed_ids)) is None:
-                break                      # FCFS: nobody overtakes the head
+                break                      # nobody overtakes the head (FCFS or priority order)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -281,6 +305,9 @@ class Scheduler:
         assert len(set(waiting_ids)) == len(waiting_ids), f"duplicate in waiting {waiting_ids}"
         assert not set(running_ids) & set(waiting_ids), "request both running and waiting"
         assert set(running_ids) | set(waiting_ids) == set(self.requests), "queues != unfinished requests"
+        if self.by_priority:
+            ranks = [self._rank(r) for r in self.waiting]
+            assert ranks == sorted(ranks), f"waiting out of priority order: {ranks}"
         assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
         for req in self.running:
             rid = req.request_id

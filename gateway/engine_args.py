@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import typing
 
-from formwork.schemas.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from formwork.schemas.config import ATTENTION_BACKENDS, DEVICES, DTYPES, SCHEDULING_POLICIES, EngineConfig
 
 COMMAND_FIELDS = frozenset({"model"})
 
@@ -34,6 +34,10 @@ FLAGS: dict[str, Flag] = {
     "device": Flag(choices=DEVICES),
     "attention_backend": Flag(choices=ATTENTION_BACKENDS),
     "max_model_len": Flag(help="context length (default: the model's max positions)"),
+    "scheduling_policy": Flag(choices=SCHEDULING_POLICIES,
+                              help="priority: waiting requests are served by their `priority` "
+                                   "(lower first, then arrival) instead of first come, first served; "
+                                   "preemption takes the highest value first"),
     "num_kv_blocks": Flag(help="KV cache blocks (default: from --kv-cache-memory-gb / GPU memory)"),
     "kv_cache_memory_gb": Flag(help="CPU: memory given to the paged KV cache"),
     "structured_backend": Flag(name="--structured-outputs-backend",

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 from formwork.core.step_hooks import StepHooks
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
-from formwork.schemas.sampling import SamplingParams, check_token_ids
+from formwork.schemas.sampling import SamplingParams, check_priority, check_token_ids
 
 PromptType = str | dict[str, Any]
 
@@ -84,11 +84,13 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True,
-                 on_finished: Callable[[int, RequestOutput], None] | None = None
-                 ) -> list[RequestOutput]:
+                 on_finished: Callable[[int, RequestOutput], None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Outputs in prompt order. `on_finished(i, output)` (optional) is called
         as soon as prompt i finishes, in completion order, e.g. to write results
-        incrementally; an exception from it aborts the remaining requests."""
+        incrementally; an exception from it aborts the remaining requests.
+        `priority` (as vLLM): one per prompt, lower served earlier; needs
+        scheduling_policy="priority" (a value other than 0 is refused otherwise)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -100,12 +102,19 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
+            params = [p.clone(priority=int(v)) for p, v in zip(params, priority)]
+            for p in params:
+                p.validate()
         # the entry's checks, all before admitting anything: a bad prompt fails the call, not
         # the engine (each SamplingParams checked itself when it was built)
         tokenized = [self._to_tokens(p) for p in prompts]
         for (_, ids), p in zip(tokenized, params):
             self.engine.check_prompt(ids)
             check_token_ids(p, self.engine.vocab_size)
+            check_priority(p, self.config.scheduling_policy)
         order = []
         for (text, ids), p in zip(tokenized, params):
             rid = str(next(self._ids))

@@ -10,12 +10,12 @@ from formwork.gateway.errors import APIError, bad_request
 from formwork.gateway.tools import ToolMode, tool_constraint
 from formwork.grammar.selection import validate_params
 from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
-from formwork.schemas.sampling import SamplingParams, check_token_ids
+from formwork.schemas.sampling import SamplingParams, check_priority, check_token_ids
 from formwork.schemas.structured import FALSE_SCHEMA, KINDS, StructuredOutputsParams, is_set
 
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+                "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "priority")
 MAX_TEMPERATURE = 2.0        # OpenAI's bound (the offline SamplingParams has none, as vLLM)
 # vLLM's structured_outputs options -> formwork's fields (a False is vLLM's default: no change)
 _VLLM_FLAGS = {"disable_any_whitespace": ("whitespace", "compact"),
@@ -175,10 +175,12 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_token
                     logprobs: int | None, structured: StructuredOutputsParams | None,
                     rename: dict[str, str] | None = None,
                     prompt_logprobs: int | None = None,
-                    vocab_size: int | None = None) -> SamplingParams:
+                    vocab_size: int | None = None,
+                    scheduling_policy: str = "fcfs") -> SamplingParams:
     """Build SamplingParams; its ValueError "param: msg" becomes a 400 on the request field
     (`rename` maps engine names to request names, e.g. logprobs -> top_logprobs).
-    `vocab_size`: token ids (stop_token_ids, logit_bias) are checked against it."""
+    `vocab_size`: token ids (stop_token_ids, logit_bias) are checked against it. A
+    `priority` other than 0 needs the server's scheduling_policy "priority" (as vLLM)."""
     fields = {k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
@@ -191,6 +193,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_token
                                 logit_bias=_logit_bias(req), **fields)
         if vocab_size is not None:
             check_token_ids(params, vocab_size)
+        check_priority(params, scheduling_policy)
     except ValueError as e:
         text = str(e)
         param = text.split(":", 1)[0] if ":" in text else None

@@ -69,7 +69,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     params = sampling_params(req, max_tokens=max_tokens, logprobs=chat_logprobs(req),
                              structured=structured, prompt_logprobs=explicit_prompt_logprobs(req),
                              rename={"max_tokens": max_param, "logprobs": "top_logprobs"},
-                             vocab_size=len(state.tokenizer))
+                             vocab_size=len(state.tokenizer),
+                             scheduling_policy=state.engine.config.scheduling_policy)
     return PreparedChat(model, prompt, ids, params, mode, source)
 
 

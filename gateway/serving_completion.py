@@ -99,7 +99,8 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     params = [sampling_params(req, max_tokens=context_max_tokens(
                   len(ids), req.max_tokens, state.max_model_len, "prompt"),
                   logprobs=engine_lp, prompt_logprobs=engine_plp, structured=structured,
-                  vocab_size=len(state.tokenizer))
+                  vocab_size=len(state.tokenizer),
+                  scheduling_policy=state.engine.config.scheduling_policy)
               for _, ids in prompts]
     if best_of != req.n:
         params = [p.clone(n=best_of) for p in params]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")   # "auto": gpu/attention_select.py
+SCHEDULING_POLICIES = ("fcfs", "priority")          # as vLLM's --scheduling-policy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,6 +28,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory for weights+KV
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # "fcfs": first come, first served; "priority": waiting requests by (priority, arrival),
+    # the lowest priority value first, and preemption takes the highest value, latest arrival
+    scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     structured_backend: str = "auto"     # default backend when a request says "auto"
@@ -64,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError("logprobs_mode: must be raw_logprobs or processed_logprobs, "
                              f"got {self.logprobs_mode!r}")

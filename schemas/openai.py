@@ -98,6 +98,8 @@ class _SamplingFields(RequestModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: served earlier under `--scheduling-policy priority` when lower; 0 otherwise
+    priority: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None

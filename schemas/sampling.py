@@ -12,6 +12,7 @@ _GREEDY_EPS = 1e-5
 MAX_N = 128                  # completions per request: fan-out stays bounded (OpenAI: 128)
 MAX_SEED = 2**63 - 1         # seeds travel as int64; seed + i for the i-th of n
 MAX_TOKEN_ID = 2**31         # any id past it is no vocabulary's (the engine checks its own)
+MAX_PRIORITY = 2**31         # |priority| at most this: it travels as an int64
 MAX_LOGIT_BIAS = 100.0       # OpenAI: biases in [-100, 100]; -100 bans the token
 
 
@@ -23,6 +24,14 @@ def check_token_ids(params: "SamplingParams", vocab_size: int) -> None:
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
             raise ParamError(name, f"token id {bad} outside the vocabulary [0, {vocab_size})")
+
+
+def check_priority(params: "SamplingParams", scheduling_policy: str) -> None:
+    """ValueError for a priority the engine's scheduling policy would ignore (as vLLM)."""
+    if params.priority and scheduling_policy != "priority":
+        raise ParamError("priority", "must be 0: requests are served first come, first served "
+                         "(scheduling_policy 'priority', `--scheduling-policy priority`, serves "
+                         "them by priority)")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -60,6 +69,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's per-request `priority` (an argument beside the params there), carried here so
+    # that it travels with the request: under scheduling_policy "priority" a lower value is
+    # served earlier; any other value than 0 is refused under "fcfs"
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +96,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad("n", f"must be in [1, {MAX_N}], got {self.n}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED - self.n:
             bad("seed", f"must be in [0, 2^63 - n], got {self.seed}")
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            bad("priority", f"must be in [-2^31, 2^31], got {self.priority}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

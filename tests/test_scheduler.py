@@ -153,11 +153,12 @@ class FakeSOM:
 
 
 def make_sched(*, num_blocks=64, budget=32, max_num_seqs=8, max_model_len=128, chunked=True,
-               caching=True, som=None, threshold=0) -> Scheduler:
+               caching=True, som=None, threshold=0, policy="fcfs") -> Scheduler:
     return Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                      max_model_len=max_model_len, enable_chunked_prefill=chunked,
                      kv_cache_manager=KVCacheManager(num_blocks, BS, caching),
-                     structured_output_manager=som, long_prefill_token_threshold=threshold)
+                     structured_output_manager=som, long_prefill_token_threshold=threshold,
+                     scheduling_policy=policy)
 
 
 def req(rid, prompt, arrival=0.0, structured=False, **sp) -> Request:

@@ -453,6 +453,9 @@ ERROR_CASES = [  # (body, status, param, code, words that must appear in the mes
      ["1000000"]),                                 # refused before queueing (issue 14)
     # issue 14: fields once ignored are refused naming the field
     (_chat(logit_bias={"1000000": 5}), 400, "logit_bias", None, ["1000000", "vocabulary"]),
+    # vLLM's priority: refused (not ignored) by a first-come-first-served server
+    (_chat(priority=1), 400, "priority", None, ["--scheduling-policy priority"]),
+    (_chat(priority=2**40), 400, "priority", None, ["2^31"]),
     (_chat(temperature=2.5), 400, "temperature", None, ["[0, 2]"]),
     (_chat(structured_outputs={"choice": ["a", "b"]}, min_tokens=5, max_tokens=8), 400, "min_tokens", None,
      ["choice"]),
