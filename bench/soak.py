@@ -195,11 +195,16 @@ def engine_pid(server_pid: int) -> int | None:
 
 
 async def small_latencies(client: httpx.AsyncClient, stop: asyncio.Event | None, n: int,
-                          model: str = "m") -> list[float]:
+                          model: str = "m", priority: int | None = None) -> list[float]:
+    """`n` small plain requests one after another (until `stop`, if given): their latencies;
+    `priority`: sent as the request's priority (a server with priority scheduling)."""
     out = []
+    body = body_for("small", None, 4, False, model)
+    if priority is not None:
+        body["priority"] = priority
     while (stop is None and len(out) < n) or (stop is not None and not stop.is_set()):
         t0 = time.perf_counter()
-        r = await client.post("/v1/chat/completions", json=body_for("small", None, 4, False, model))
+        r = await client.post("/v1/chat/completions", json=body)
         if r.status_code == 200:
             out.append(time.perf_counter() - t0)
         await asyncio.sleep(0.1)
@@ -247,12 +252,13 @@ async def main_phase(client, args, server_pid: int) -> tuple[list[Outcome], dict
 
 
 async def storm_phase(client, args, with_schemas: bool, round_: int, model: str = "m",
-                      ignore_eos: bool = False) -> tuple[list[Outcome], list[float]]:
+                      ignore_eos: bool = False, priority: int | None = None
+                      ) -> tuple[list[Outcome], list[float]]:
     """--storm requests at once (each with a distinct 60-property schema, or none;
     `ignore_eos`: each runs to max_tokens) while small plain requests run one at a
-    time; (their outcomes, the latencies)."""
+    time (at `priority`, if given); (their outcomes, the latencies)."""
     stop = asyncio.Event()
-    lat_task = asyncio.create_task(small_latencies(client, stop, 0, model))
+    lat_task = asyncio.create_task(small_latencies(client, stop, 0, model, priority))
     await asyncio.sleep(0.2)
     schemas = [storm_schema(round_ * args.storm + i) if with_schemas else None
                for i in range(args.storm)]
@@ -274,11 +280,12 @@ STORM_PHASES = (("schemas", True, False), ("plain", False, False), ("plain_equal
 
 
 async def measure_storm(url: str, model: str, rounds: int, storm: int = 100,
-                        max_tokens: int = 24) -> dict:
+                        max_tokens: int = 24, small_priority: int | None = None) -> dict:
     """The storm alone against any OpenAI-compatible server (bench/vs_vllm.py): the
     small plain requests' latency idle and during each of STORM_PHASES (`rounds`
     rounds of new schemas): p50 ms under the phase's name, `<name>_mean` and
-    `<name>_p90` ms, and `<name>_tokens` (mean completion tokens of its requests)."""
+    `<name>_p90` ms, and `<name>_tokens` (mean completion tokens of its requests).
+    `small_priority`: the small requests' priority (a server scheduling by priority)."""
     args = argparse.Namespace(storm=storm, storm_max_tokens=max_tokens)
     lat: dict = {"idle": []} | {name: [] for name, *_ in STORM_PHASES}
     tokens: dict = {name: [] for name, *_ in STORM_PHASES}
@@ -286,10 +293,11 @@ async def measure_storm(url: str, model: str, rounds: int, storm: int = 100,
     async with httpx.AsyncClient(base_url=url, timeout=600.0,
                                  limits=httpx.Limits(max_connections=storm + 20)) as client:
         await small_latencies(client, None, 3, model)            # warm-up
-        lat["idle"] = await small_latencies(client, None, 20, model)
+        lat["idle"] = await small_latencies(client, None, 20, model, small_priority)
         for r in range(rounds):
             for name, with_schemas, ignore_eos in STORM_PHASES:
-                outs, got = await storm_phase(client, args, with_schemas, r, model, ignore_eos)
+                outs, got = await storm_phase(client, args, with_schemas, r, model, ignore_eos,
+                                              small_priority)
                 answered += sum(o.status == "answered" for o in outs)
                 invalid += sum(o.valid is False for o in outs)
                 lat[name] += got

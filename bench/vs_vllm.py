@@ -98,16 +98,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(system: str, python: str, model_dir: str, port: int) -> subprocess.Popen:
+def start_server(system: str, python: str, model_dir: str, port: int,
+                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`extra`: more flags, the same for both systems (e.g. --scheduling-policy priority)."""
     if system == "formwork":
         cmd = [python, "-P", "-m", "formwork.gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", "bfloat16", "--log-level", "warning", *COMMON]
+               "--dtype", "bfloat16", "--log-level", "warning", *COMMON, *extra]
         env = clean_env()
     else:
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--served-model-name", "default", "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "bfloat16", "--enable-prefix-caching", "--enable-chunked-prefill",
-               "--uvicorn-log-level", "warning", *COMMON]
+               "--uvicorn-log-level", "warning", *COMMON, *extra]
         env = clean_env(VLLM_ENV)
     return subprocess.Popen(cmd, env=env, cwd="/tmp", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -187,18 +189,22 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_storm(system: str, python: str, model_dir: str, rounds: int, timeout: float) -> dict:
+def run_storm(system: str, python: str, model_dir: str, rounds: int, timeout: float,
+              small_priority: int | None = None) -> dict:
     """bench/soak.py's compile storm against each system's server: the p50 latency of
     small plain requests (4 tokens, one at a time) idle, during 100 concurrent requests
     each with a distinct 60-property schema (max_tokens 24), during the same 100
     without schemas, and without schemas at equal output lengths (ignore_eos); over
-    --reps rounds of new schemas (soak.measure_storm)."""
+    --reps rounds of new schemas (soak.measure_storm). `small_priority`: both servers
+    schedule by priority and the small requests carry this one (the storm's 0)."""
     port = free_port()
-    proc = start_server(system, python, model_dir, port)
+    extra = ("--scheduling-policy", "priority") if small_priority is not None else ()
+    proc = start_server(system, python, model_dir, port, extra)
     try:
         import soak
         return asyncio.run(soak.measure_storm(f"http://127.0.0.1:{port}",
-                                              wait_ready(proc, port, timeout), rounds))
+                                              wait_ready(proc, port, timeout), rounds,
+                                              small_priority=small_priority))
     finally:
         stop_server(proc)
 
@@ -212,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--json", type=pathlib.Path, default=None, help="also write the raw results here")
+    ap.add_argument("--storm-priority", type=int, default=None,
+                    help="storm: both servers with --scheduling-policy priority, the small requests "
+                         "at this priority (e.g. -1: served before the storm's queue)")
     args = ap.parse_args(argv)
     from formwork.gpu.model_files import resolve_model
     model_dir = str(resolve_model(None))
@@ -231,7 +240,8 @@ def main(argv=None) -> int:
             res[system]["server"] = run_server(system, pythons[system], model_dir, args.reps, args.timeout)
             print(f"{system} server: {res[system]['server']}", file=sys.stderr, flush=True)
         if "storm" in sections:
-            res[system]["storm"] = run_storm(system, pythons[system], model_dir, args.reps, args.timeout)
+            res[system]["storm"] = run_storm(system, pythons[system], model_dir, args.reps, args.timeout,
+                                             args.storm_priority)
             print(f"{system} storm: {res[system]['storm']}", file=sys.stderr, flush=True)
         if "contention" in sections:
             burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])

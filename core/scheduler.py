@@ -99,6 +99,8 @@ class Scheduler:
         """Plan one step. Mutates queues/status/blocks, never num_computed_tokens
         (except the rollback to 0 of a preempted request)."""
         plan = PlanBuilder(self.max_num_batched_tokens)
+        if self.by_priority:
+            self._seat_for_priority()
         preemptions_before = self.num_preemptions
         self._schedule_running(plan)
         if self.num_preemptions == preemptions_before:
@@ -143,6 +145,19 @@ class Scheduler:
             if victim is req:
                 return None
         return new_ids
+
+    def _seat_for_priority(self) -> None:
+        """Priority policy with every seat taken: the first waiting request whose grammar
+        is not compiling takes the seat of the running request of the highest priority
+        value if its own value is lower (one per step). The one preempted recomputes
+        later; its full blocks stay in the prefix cache. Without it an urgent request
+        waits until a whole batch of bulk ones finishes."""
+        if len(self.running) < self.max_num_seqs or not self.running:
+            return
+        head = next((r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_GRAMMAR), None)
+        victim = max(reversed(self.running), key=self._rank)
+        if head is not None and head.sampling_params.priority < victim.sampling_params.priority:
+            self._preempt(victim)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -21,17 +21,25 @@ def test_lower_priority_values_are_admitted_first():
         assert res[f"r{i}"].tokens == reference([i + 1] * 3, 2)
 
 
-def test_a_later_request_of_lower_value_overtakes_the_queue():
+def test_a_later_request_of_lower_value_takes_the_next_seat():
+    """Every seat taken: an urgent request takes the seat of the running request of the
+    highest value (it recomputes later, same tokens); equal values wait their turn."""
     sched, runner, res = make_sched(max_num_seqs=1, policy="priority"), FakeRunner(), {}
     for i in range(3):
         sched.add_request(req(f"bulk{i}", [i + 1] * 3, arrival=float(i), max_tokens=4))
     step(sched, runner, res)                                  # bulk0 runs
+    sched.add_request(req("same", [8] * 3, arrival=9.0, max_tokens=2))
     sched.add_request(req("urgent", [9] * 3, arrival=10.0, max_tokens=2, priority=-1))
-    admitted = []
+    admitted, preempted = [], []
     while sched.has_unfinished_requests():
-        admitted += [n.req_id for n in step(sched, runner, res).new_reqs]
-    assert admitted == ["urgent", "bulk1", "bulk2"]          # not preempting bulk0, next seat
+        plan = step(sched, runner, res)
+        admitted += [n.req_id for n in plan.new_reqs]
+        preempted += [r for r in plan.finished_req_ids if r in sched.requests]
+    assert admitted == ["urgent", "bulk0", "bulk1", "bulk2", "same"]
+    assert preempted == ["bulk0"]
     assert res["urgent"].tokens == reference([9] * 3, 2)
+    for i in range(3):
+        assert res[f"bulk{i}"].tokens == reference([i + 1] * 3, 4)
 
 
 @pytest.mark.parametrize("policy,first_victim", [("fcfs", "r2"), ("priority", "r0")])
