@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from formwork import LLM, SamplingParams
-from tests.test_scheduler import FakeRunner, make_sched, reference, req, run_all, step
+from test_scheduler import FakeRunner, make_sched, reference, req, run_all, step
 
 
 def test_lower_priority_values_are_admitted_first():

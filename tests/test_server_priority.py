@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_server import KEY, Server
+from test_server import KEY, Server
 
 pytestmark = pytest.mark.slow
 
