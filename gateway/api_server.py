@@ -122,7 +122,8 @@ def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None,
                                        served_model_names=names,
                                        max_model_len=info.max_model_len,
                                        metrics=Metrics(names[0]), api_key=api_key,
-                                       max_token_chars=max_token_chars, tokenizers=tokenizers)
+                                       max_token_chars=max_token_chars, tokenizers=tokenizers,
+                                       scheduling_policy=config.scheduling_policy)
         try:
             yield
         finally:

@@ -32,6 +32,7 @@ class ServerState:
     max_token_chars: int = 1 << 30      # the tokenizer's longest token (gateway/limits.py)
     # chat templating / tokenizing off the event loop; None: inline (unit tests' apps)
     tokenizers: TokenizerPool | None = None
+    scheduling_policy: str = "fcfs"     # the engines' (a request's priority needs "priority")
 
     async def run_tokenizer(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """`fn(tokenizer, *args)` on a tokenizer worker thread (its own tokenizer copy);

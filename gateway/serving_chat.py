@@ -70,7 +70,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                              structured=structured, prompt_logprobs=explicit_prompt_logprobs(req),
                              rename={"max_tokens": max_param, "logprobs": "top_logprobs"},
                              vocab_size=len(state.tokenizer),
-                             scheduling_policy=state.engine.config.scheduling_policy)
+                             scheduling_policy=state.scheduling_policy)
     return PreparedChat(model, prompt, ids, params, mode, source)
 
 

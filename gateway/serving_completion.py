@@ -100,7 +100,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
                   len(ids), req.max_tokens, state.max_model_len, "prompt"),
                   logprobs=engine_lp, prompt_logprobs=engine_plp, structured=structured,
                   vocab_size=len(state.tokenizer),
-                  scheduling_policy=state.engine.config.scheduling_policy)
+                  scheduling_policy=state.scheduling_policy)
               for _, ids in prompts]
     if best_of != req.n:
         params = [p.clone(n=best_of) for p in params]

@@ -4,8 +4,9 @@ When a constrained request has few tokens left (max_tokens or context room), a
 first dive (the first closing token the matcher accepts at every state, string
 content followed where none is) and then a bounded depth-first search over the
 matcher find a short token path to a state where the output may end (the
-document is complete). The search expands only "closing" tokens (`"}`, `"`, `}`, `]`, `0`, `""`, ...) and, where none is
-allowed, single-byte tokens, at most MAX_BRANCH per state, each followed by the
+document is complete). The search expands only "closing" tokens (`"}`, `"`, `}`,
+`]`, `0`, `""`, ...) and, where none is allowed, single-byte tokens, at most
+MAX_BRANCH per state, each followed by the
 text the grammar then forces (a key name), tokenized as jump-forward does;
 biggest closing steps first; a token that leads back to its state's mask
 (string content) is not followed, so the search moves towards the end instead
