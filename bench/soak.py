@@ -215,12 +215,16 @@ def p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def quantile(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
 def p90(xs: list[float]) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))] if xs else float("nan")
+    return quantile(xs, 0.9)
 
 
 def p99(xs: list[float]) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
+    return quantile(xs, 0.99)
 
 
 async def main_phase(client, args, server_pid: int) -> tuple[list[Outcome], dict]:
@@ -263,8 +267,8 @@ async def storm_phase(client, args, with_schemas: bool, round_: int, model: str 
     schemas = [storm_schema(round_ * args.storm + i) if with_schemas else None
                for i in range(args.storm)]
     bodies = [body_for("storm", s, args.storm_max_tokens, False, model) for s in schemas]
-    for b in bodies:
-        if ignore_eos:
+    if ignore_eos:
+        for b in bodies:
             b["ignore_eos"] = True
     outcomes = await asyncio.gather(*(one(client, "storm", b, s, False)
                                       for b, s in zip(bodies, schemas)))

@@ -85,6 +85,11 @@ class Scheduler:
     def _rank(req: Request) -> tuple[int, float]:
         return req.sampling_params.priority, req.arrival_time
 
+    def _highest_rank(self, reqs: list[Request]) -> Request:
+        """The priority policy's preemption victim: highest (priority, arrival), ties
+        -> the last position (as policy.pick_victim)."""
+        return max(reversed(reqs), key=self._rank)
+
     def _insert_by_priority(self, req: Request) -> None:
         """Into `waiting` after every request of a lower or equal rank (a preempted one
         keeps its arrival time, so it comes back before later arrivals of its priority)."""
@@ -139,7 +144,7 @@ class Scheduler:
                 self._pending_outputs.append(self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED))
                 return None
             cands = self.running[i:]
-            victim = (max(reversed(cands), key=self._rank) if self.by_priority
+            victim = (self._highest_rank(cands) if self.by_priority
                       else cands[policy.pick_victim([r.arrival_time for r in cands])])
             self._preempt(victim)
             if victim is req:
@@ -155,8 +160,10 @@ class Scheduler:
         if len(self.running) < self.max_num_seqs or not self.running:
             return
         head = next((r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_GRAMMAR), None)
-        victim = max(reversed(self.running), key=self._rank)
-        if head is not None and head.sampling_params.priority < victim.sampling_params.priority:
+        if head is None:
+            return
+        victim = self._highest_rank(self.running)
+        if head.sampling_params.priority < victim.sampling_params.priority:
             self._preempt(victim)
 
     def _preempt(self, req: Request) -> None:

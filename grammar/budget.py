@@ -6,8 +6,8 @@ content followed where none is) and then a bounded depth-first search over the
 matcher find a short token path to a state where the output may end (the
 document is complete). The search expands only "closing" tokens (`"}`, `"`, `}`,
 `]`, `0`, `""`, ...) and, where none is allowed, single-byte tokens, at most
-MAX_BRANCH per state, each followed by the
-text the grammar then forces (a key name), tokenized as jump-forward does;
+MAX_BRANCH per state, each followed by the text the grammar then forces (a key
+name), tokenized as jump-forward does;
 biggest closing steps first; a token that leads back to its state's mask
 (string content) is not followed, so the search moves towards the end instead
 of writing. The path is short, not always the shortest.
