@@ -16,6 +16,7 @@ import torch
 
 from formwork.gpu.cuda_graph import DecodeGraphRunner
 from formwork.gpu.sampler import Sampler, SamplingBatch, logit_bias_tensors, score_prompt
+from formwork.kernels import cpu_sampling
 from formwork.schemas.sampling import SamplingParams
 from formwork.schemas.scheduler import ModelRunnerOutput, SchedulerOutput
 
@@ -63,6 +64,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(logprobs_mode)
+        if device.type == "cpu" and samples:
+            cpu_sampling.available()   # build the sampler's C++ pass now, not at the first request
         self.requests: dict[str, _ReqState] = {}
         self._plp_prompts: dict[str, list[int]] = {}   # prompts still to score (prompt_logprobs)
         self._plp_step: tuple[SchedulerOutput, dict] | None = None

@@ -27,18 +27,20 @@ def _cpu_flags() -> str:
         return ""
 
 
-def build(name: str, source: str, functions: list[str]):
-    """The compiled module, or None if it cannot be built here (see `failure`)."""
+def build(name: str, source: str, functions: list[str], cflags: list[str] | None = None):
+    """The compiled module, or None if it cannot be built here (see `failure`).
+    `cflags`: instead of CFLAGS (a source that compares NaN or inf leaves out -ffast-math)."""
     with _lock:
         if name in _built:
             return _built[name]
         if name in _failures:
             return None
-        tag = hashlib.sha1((_cpu_flags() + source).encode()).hexdigest()[:12]
+        flags = CFLAGS if cflags is None else cflags
+        tag = hashlib.sha1((_cpu_flags() + " ".join(flags) + source).encode()).hexdigest()[:12]
         try:
             from torch.utils.cpp_extension import load_inline   # pulls in the build tooling
             module = load_inline(name=f"{name}_{tag}", cpp_sources=source, functions=functions,
-                                 extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+                                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path
             _failures[name] = f"{type(e).__name__}: {e}"
             log.warning("C++ extension %s unavailable, using the torch path: %s", name,
