@@ -210,6 +210,21 @@ def _best(x: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[list[list[float]
     return vals.tolist(), ids.tolist()
 
 
+def _fast_draw(logits: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor,
+               u: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """`fallback` [B] with each row of temperature > 0 replaced by its draw from
+    softmax(logits / T), uniform u [B]: `_weights` and `_draw`'s two levels in one C++
+    pass over the row (kernels/cpu_sampling.draw; CPU float32 only); a draw landing on
+    a zero weight (rounding at a block edge) keeps the fallback, as `_draw` does."""
+    rows = (temperature > 0).nonzero()[:, 0]
+    ids = cpu_sampling.draw(logits, rows, top.index_select(0, rows),
+                            1.0 / temperature.index_select(0, rows),
+                            u.index_select(0, rows)[:, None], _block(logits.shape[1]))[:, 0]
+    out = fallback.clone()
+    out.index_copy_(0, rows, torch.where(ids >= 0, ids, fallback.index_select(0, rows)))
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def _block(vocab: int) -> int:
     """The divisor of `vocab` nearest its square root: block length for `_draw`."""
@@ -301,12 +316,14 @@ class Sampler:
         kept = keep is not None and keep.numel() > 0
         top, chosen = _row_max(logits)
         if not batch.all_greedy:
-            if batch.top_k is None and batch.top_p is None and batch.min_p is None:
-                probs = _weights(logits, batch.temperature, top[:, None])
-            else:
-                probs = _top_k_top_p_min_p(_tempered(logits, batch.temperature), batch).softmax(-1)
             u = _uniforms(batch.seeds, logits.device, SPARE_DRAWS if kept else 0)
-            chosen = torch.where(batch.temperature > 0, _draw(probs, u[:, 0]), chosen)
+            plain = batch.top_k is None and batch.top_p is None and batch.min_p is None
+            if plain and cpu_sampling.usable(logits):
+                chosen = _fast_draw(logits, batch.temperature, top, u[:, 0], chosen)
+            else:
+                probs = (_weights(logits, batch.temperature, top[:, None]) if plain else
+                         _top_k_top_p_min_p(_tempered(logits, batch.temperature), batch).softmax(-1))
+                chosen = torch.where(batch.temperature > 0, _draw(probs, u[:, 0]), chosen)
         if kept:
             self._kept = _Kept(logits, keep, batch.temperature.index_select(0, keep),
                                u[:, 1].index_select(0, keep) if u is not None else None,
@@ -340,13 +357,20 @@ class Sampler:
         sampled = [i for i, g in enumerate(greedy) if not g]
         if sampled and kept.spare is not None:
             rows = torch.tensor(sampled, dtype=torch.int64, device=kept.logits.device)
-            sub = kept.logits.index_select(0, rows_of.index_select(0, rows))
+            which = rows_of.index_select(0, rows)                 # rows of kept.logits
             temp = kept.temperature.index_select(0, kept_rows).index_select(0, rows)
-            weights = _weights(sub, temp, sub.max(-1, keepdim=True).values)
-            cdf = weights.cumsum(-1)
-            u = kept.spare.index_select(0, kept_rows).index_select(0, rows)[:, :k]
-            idx = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_max_(cdf.shape[-1] - 1)
-            fine = weights.gather(1, idx) > 0        # rounding at the end: never a zero
+            u = kept.spare.index_select(0, kept_rows).index_select(0, rows)[:, :k].contiguous()
+            if cpu_sampling.usable(kept.logits):
+                top = kept.logits.index_select(0, which).amax(-1)
+                idx = cpu_sampling.draw(kept.logits, which, top, 1.0 / temp, u,
+                                        _block(kept.logits.shape[1]))
+                fine = idx >= 0
+            else:
+                sub = kept.logits.index_select(0, which)
+                weights = _weights(sub, temp, sub.amax(-1, keepdim=True))
+                cdf = weights.cumsum(-1)
+                idx = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_max_(cdf.shape[-1] - 1)
+                fine = weights.gather(1, idx) > 0        # rounding at the end: never a zero
             for i, ids, ok in zip(sampled, idx.tolist(), fine.tolist()):
                 out[i] = [t for t, o in zip(ids, ok) if o]
         return out
@@ -362,8 +386,12 @@ class Sampler:
         top, chosen = _row_max(logits)
         if k.redraw is not None:
             temp = k.temperature.index_select(0, kept_rows)
-            drawn = _draw(_weights(logits, temp, top[:, None]), k.redraw.index_select(0, kept_rows))
-            chosen = torch.where(temp > 0, drawn, chosen)
+            redraw = k.redraw.index_select(0, kept_rows)
+            if cpu_sampling.usable(logits):
+                chosen = _fast_draw(logits, temp, top, redraw, chosen)
+            else:
+                drawn = _draw(_weights(logits, temp, top[:, None]), redraw)
+                chosen = torch.where(temp > 0, drawn, chosen)
         return chosen.tolist()
 
 

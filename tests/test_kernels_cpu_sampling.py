@@ -104,3 +104,54 @@ def test_sampler_greedy_pick_and_candidates_match_torch(monkeypatch):
     # torch.topk's ties are in no defined order, and may be different ones at the edge:
     # the values agree
     assert [[v for v, _ in r] for r in picks[True][2]] == [[v for v, _ in r] for r in picks[False][2]]
+
+
+@pytest.mark.parametrize("vocab,block", [(49152, 192), (1000, 25), (997, 1), (4096, 64)])
+def test_draw_equals_the_inverse_cdf_reference(vocab, block):
+    """Same uniforms, same tokens as a float64 cumulative sum over the whole row, but
+    where a draw falls within rounding of a token edge; -inf tokens never drawn."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g) * 3
+    x[1, ::3] = -INF                       # masked tokens
+    x[2, :] = -INF
+    x[2, [5, vocab - 1]] = 1.0             # two allowed, far apart
+    x[3] *= 20                             # peaked
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 1])
+    maxv = x.index_select(0, rows).amax(-1)
+    inv_t = torch.tensor([1.0, 1.3, 1.0, 0.5, 2.0, 1 / 1.7, 1.0])
+    u = 1.0 - torch.rand(7, 64, generator=g)
+    got = cs.draw(x, rows, maxv, inv_t, u, block)
+    want = cs.draw_ref(x, rows, maxv, inv_t, u, block)
+    assert (got >= 0).all()
+    assert ((got == want).float().mean()) > 0.99
+    differ = (got != want).nonzero().tolist()
+    for i, j in differ:                    # only neighbours in CDF order: a rounding edge
+        lo, hi = sorted((int(got[i, j]), int(want[i, j])))
+        w = x[int(rows[i]), lo + 1:hi]
+        assert (w == -INF).all() or hi - lo == 1
+    assert (x[1, got[1]] > -INF).all() and (x[1, got[6]] > -INF).all()
+    assert set(got[2].tolist()) <= {5, vocab - 1}
+
+
+def test_draw_frequencies_follow_the_tempered_softmax():
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(1, 384, generator=g) * 2
+    logits[0, 100:200] = -INF
+    n = 40000
+    x = logits.expand(n, -1).contiguous()
+    rows = torch.arange(n)
+    t = 0.8
+    ids = cs.draw(x, rows, x.amax(-1), torch.full((n,), 1 / t), 1.0 - torch.rand(n, 1, generator=g),
+                  64)[:, 0]
+    freq = torch.bincount(ids, minlength=384).float() / n
+    ref = (logits[0] / t).softmax(-1)
+    assert freq[100:200].sum() == 0
+    assert torch.allclose(freq, ref, atol=0.01), (freq - ref).abs().max()
+
+
+def test_draw_row_without_weight_says_so():
+    x = torch.full((2, 64), -INF)
+    x[1, 3] = 0.0
+    ids = cs.draw(x, torch.tensor([0, 1]), torch.tensor([-INF, 0.0]), torch.ones(2),
+                  torch.ones(2, 2), 16)
+    assert ids.tolist() == [[-1, -1], [3, 3]]
