@@ -36,8 +36,6 @@ class _RequestGrammar:
     matcher: Matcher | None = None
     backend: GrammarBackend | None = None
     budget: Budget | None = None  # None: not budget-aware
-    eager_steps: int = 0          # steps before its mask may be deferred again
-    refusals: int = 0             # deferred picks refused in a row
 
 
 def build_backend(name: str, vocab: TokenVocab, tokenizer, *, num_threads: int = 2,
@@ -260,27 +258,28 @@ class StructuredOutputManager:
     # --- deferred masks (engine thread; EngineCore's step, gpu/sampler.py) -----------
     def can_defer(self, request_id: str) -> bool:
         """Whether this step may sample the request without its mask and check the
-        pick after: its matcher is ready and running, budget-aware steering cannot
-        narrow its mask this step, and no recent pick of it was refused. Call once
-        per step per request (an eager step counts down the wait)."""
+        pick after: its matcher is ready and running and budget-aware steering cannot
+        narrow its mask this step. Call once per step per request.
+
+        A request whose pick was refused is deferred again at once (no eager steps
+        after a refusal: they used to follow for 2-32 steps). Measured on
+        bench/structured_shapes.py's shapes at batch 32 (fill + rescue + redraw per
+        step, engine thread): greedy, nested 0.86 -> 0.40 ms, Kubernetes 0.97 -> 0.37,
+        bounded string 0.56 -> 0.16, pattern 0.47 -> 0.31; at temperature 0.7 nested
+        2.9 -> 1.4, Kubernetes 2.4 -> 1.4, pattern 1.6 -> 1.2. With the rescue
+        candidates most refusals need no mask, and the steps after one mostly pick an
+        allowed token (greedy nested: 25 redraws with eager steps, 26 without, where
+        the eager steps filled ~270 masks)."""
         entry = self._requests.get(request_id)
-        if entry is None or entry.status != "ready" or entry.matcher.is_terminated() or \
-                (entry.budget is not None and self._closing.forced_next(entry.budget, entry.matcher)
-                 is not None):
-            return False
-        if entry.eager_steps:
-            entry.eager_steps -= 1
-            return False
-        return True
+        return not (entry is None or entry.status != "ready" or entry.matcher.is_terminated() or
+                    (entry.budget is not None and
+                     self._closing.forced_next(entry.budget, entry.matcher) is not None))
 
     def check_deferred(self, request_id: str, token_id: int) -> bool:
         """Whether the grammar allows `token_id` next (matcher unchanged); counted."""
-        entry = self._requests[request_id]
         ok = self._matcher(request_id).accepts(token_id)
         self._stats.deferred_checks += 1
-        if ok:
-            entry.refusals = 0
-        else:
+        if not ok:
             self._stats.deferred_refused += 1
         return ok
 
@@ -294,14 +293,6 @@ class StructuredOutputManager:
                 self._stats.deferred_rescued += 1
                 return t
         return None
-
-    def back_off(self, request_id: str) -> None:
-        """A refused pick that needed the mask: the request's masks stay eager for 2,
-        4, ... 32 steps (doubling while that keeps happening); a refused pick costs a
-        fill and a second pick after the forward instead of a fill beside it."""
-        entry = self._requests[request_id]
-        entry.refusals += 1
-        entry.eager_steps = 1 << min(entry.refusals, 5)
 
     def stats(self) -> GrammarStats:
         with self._lock:
