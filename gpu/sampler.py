@@ -271,16 +271,28 @@ _FLOOR = torch.finfo(torch.float32).min      # a chosen token's logprob is never
 
 
 def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, batch: SamplingBatch):
-    logp = logits.log_softmax(-1)
-    top_vals, top_idx = logp.topk(max(batch.max_num_logprobs, 1), dim=-1)
-    chosen_lp = logp.gather(1, chosen[:, None])[:, 0].clamp_min(_FLOOR).tolist()
+    k = max(batch.max_num_logprobs, 1)
+    if cpu_sampling.usable(logits):
+        # x - logsumexp(x) for the k best and the chosen token only: the C++ passes take
+        # 0.2 + ~0.3 ms at [64, 49152] where log_softmax and topk(20) took 1.6 + 2.2
+        lse = cpu_sampling.row_logsumexp(logits)[:, None]
+        vals, top_idx = cpu_sampling.row_topk(
+            logits, torch.arange(logits.shape[0], device=logits.device), k)
+        top_vals = vals - lse                       # -inf stays -inf (a padded entry)
+        chosen_lp = logits.gather(1, chosen[:, None]) - lse
+    else:
+        logp = logits.log_softmax(-1)
+        top_vals, top_idx = logp.topk(k, dim=-1)
+        chosen_lp = logp.gather(1, chosen[:, None])
+    chosen_lp = chosen_lp[:, 0].clamp_min(_FLOOR).tolist()
     top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
     out = []
     for i, n in enumerate(batch.num_logprobs):
         if n is None:
             out.append(None)
         else:
-            top = [(t, v) for t, v in zip(top_idx[i][:n], top_vals[i][:n]) if v != float("-inf")]
+            top = [(t, v) for t, v in zip(top_idx[i][:n], top_vals[i][:n])
+                   if v != float("-inf") and t >= 0]
             out.append((chosen_lp[i], top))
     return out
 

@@ -5,6 +5,7 @@ extension, each beside its torch reference (`*_ref`).
 - `row_topk(x, rows, k)`  -> (values [R, k], ids [R, k] int64) of rows `rows`: the k
                              best, value descending then id ascending; -inf / -1 past
                              a row's last value above -inf
+- `row_logsumexp(x)`       -> [B]: log(sum(exp(x))) per row (logprobs: x - it)
 - `draw(x, rows, maxv, inv_t, u, block)` -> ids [R, n] int64: for row rows[i], n draws
                              from softmax(x / T) by inverse CDF, weights
                              exp((x - max) / T), one uniform u[i, j] in (0, 1] each;
@@ -255,8 +256,32 @@ void draw(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& maxv, c
     }
   });
 }
+
+void row_logsumexp(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  const float* base = x.data_ptr<float>();
+  float* res = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* row = base + r * stride;
+      const float m = row[first_max(row, n)];
+      if (std::isnan(m) || m == NEG_INF || m == -NEG_INF) { res[r] = m; continue; }
+      float s = 0.0f;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 acc = _mm512_setzero_ps();
+      const __m512 vm = _mm512_set1_ps(m);
+      for (; i + 16 <= n; i += 16)
+        acc = _mm512_add_ps(acc, exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(row + i), vm)));
+      s = _mm512_reduce_add_ps(acc);
+#endif
+      for (; i < n; ++i) s += exp_nonpos(row[i] - m);
+      res[r] = m + std::log(s);
+    }
+  });
+}
 """
-_FUNCTIONS = ["row_max", "row_topk", "draw"]
+_FUNCTIONS = ["row_max", "row_topk", "draw", "row_logsumexp"]
 
 
 def _module():
@@ -347,3 +372,13 @@ def draw_ref(x: torch.Tensor, rows: torch.Tensor, maxv: torch.Tensor, inv_t: tor
     target = u.double() * cdf[:, -1:]
     idx = torch.searchsorted(cdf, target).clamp_max_(x.shape[1] - 1)
     return torch.where(w.gather(1, idx) > 0, idx, torch.full_like(idx, -1))
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """[B]: log(sum(exp(x[b]))) for x [B, V] float32 (-inf for a row of -inf, NaN for
+    a row with a NaN, +inf with a +inf), as torch.logsumexp within float rounding."""
+    assert usable(x), (x.device, x.dtype, x.shape, x.stride())
+    out = x.new_empty(x.shape[0])
+    if x.shape[0]:
+        _module().row_logsumexp(x, out)
+    return out

@@ -8,6 +8,7 @@ import torch
 
 from formwork.gpu import sampler as sampler_mod
 from formwork.kernels import cpu_sampling as cs
+from test_sampler import batch_for
 
 HAVE_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler on this machine")
@@ -155,3 +156,34 @@ def test_draw_row_without_weight_says_so():
     ids = cs.draw(x, torch.tensor([0, 1]), torch.tensor([-INF, 0.0]), torch.ones(2),
                   torch.ones(2, 2), 16)
     assert ids.tolist() == [[-1, -1], [3, 3]]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_row_logsumexp_equals_torch(width):
+    x = rows_with_edges(width, 200 + width)
+    got, want = cs.row_logsumexp(x), x.logsumexp(-1)
+    assert torch.equal(got.isnan(), want.isnan())
+    fine = ~want.isnan()
+    torch.testing.assert_close(got[fine], want[fine], rtol=2e-6, atol=2e-6)
+
+
+def test_sampler_logprobs_through_the_cpp_passes_equal_log_softmax(monkeypatch):
+    """Chosen and top logprobs (greedy, so the chosen one is the top one) through the C++
+    passes and through log_softmax + topk: equal within float rounding, same ids."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 3000, generator=g) * 4
+    logits[3, 100:] = float("-inf")
+    batch = batch_for(5, temperature=torch.zeros(5), all_greedy=True, max_num_logprobs=6,
+                      num_logprobs=[6, 0, None, 6, 3])
+    fast = sampler_mod.Sampler()(logits.clone(), batch).logprobs
+    monkeypatch.setattr(cs, "usable", lambda x: False)
+    slow = sampler_mod.Sampler()(logits.clone(), batch).logprobs
+    for a, b in zip(fast, slow):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        assert a[0] == pytest.approx(b[0], abs=1e-5)
+        assert [t for t, _ in a[1]] == [t for t, _ in b[1]]
+        assert [v for _, v in a[1]] == pytest.approx([v for _, v in b[1]], abs=1e-5)
+        if a[1]:
+            assert a[0] == a[1][0][1]
