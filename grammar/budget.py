@@ -1,16 +1,8 @@
 """Budget-aware constrained decoding: close the output before max_tokens cuts it.
 
 When a constrained request has few tokens left (max_tokens or context room), a
-first dive (the first closing token the matcher accepts at every state, string
-content followed where none is) and then a bounded depth-first search over the
-matcher find a short token path to a state where the output may end (the
-document is complete). The search expands only "closing" tokens (`"}`, `"`, `}`,
-`]`, `0`, `""`, ...) and, where none is allowed, single-byte tokens, at most
-MAX_BRANCH per state, each followed by the text the grammar then forces (a key
-name), tokenized as jump-forward does;
-biggest closing steps first; a token that leads back to its state's mask
-(string content) is not followed, so the search moves towards the end instead
-of writing. The path is short, not always the shortest.
+closing search (grammar/closing_search.py) finds a short token path to a state
+where the output may end (the document is complete).
 The first search runs PROBE_AT tokens before the end (at the start of a
 shorter request); the path it finds sets how early the request's window opens,
 so a document whose closing path is longer than the default window still
@@ -30,42 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from formwork.grammar.backend import Matcher, set_only_tokens
-from formwork.grammar.jump_forward import ForcedTextEncoder, forced_tokens
-from formwork.grammar.vocab import TokenVocab
+from formwork.grammar.closing_search import ClosingSearch
 
-# Closing texts, best first: they end strings, objects and arrays, or are the
-# shortest values ("0", '""', "null") of their type; "{" / "[" open a required one.
-CLOSERS = ('""}', '""', '"}', '"]', '","', '":""', '"', '",', '":', '}', ']', '0', 'null',
-           'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}')
-# A second order (string content before empty strings): which is shorter depends
-# on the tokenizer's merges, so both are searched and the shorter path is kept.
-CLOSERS_ALT = ('"}', '"]', '","', '":""', '""}', '""', '"', '",', '":', '}', ']', '0', 'null',
-               'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}')
-MAX_BRANCH = 6           # candidates expanded per state, in CLOSERS order
-# States evaluated per search and closer order (bounds the cost of one step). 96 -> 32
-# closed exactly the same outputs (bench/budget_aware.py at 24/32/40 tokens: 50/48/50 of
-# 50; six schema shapes at 20 and 32 tokens: 168/288 both) while a search that finds
-# nothing, the common case once a document cannot close in time, costs a third.
-NODE_LIMIT = 32
 SLACK = 2                # tokens of budget kept for what the next free token may add
-# A search whose first dive (the first closer at every state, no depth limit) has
-# not ended after HOPELESS x the tokens left is not run: measured on 4,468 searches
-# (bench/budget_aware.py's shapes at 12-96 tokens, storm schemas; temperature 0.7),
-# 120 such dives, none where the full search found a path (1.5: 240, none; 1: 64 of
-# 394 found one). It costs a few states instead of 64 (~1 ms instead of ~7 for a
-# 60-property storm schema). That dive stopped (and the full search ran) at the first
-# state whose mask repeated the last one: string content, but also `}` after `}`, a
-# digit after a digit. The dive now asks the matcher token by token, follows string
-# content and keeps its path when it ends: the probe's failing searches on
-# bench/structured_shapes.py cost 2-4x less (nested 10 -> 2 ms a request, pattern
-# the same), and bench/budget_aware.py --shapes closes 663 of 900 outputs instead
-# of 647 (a ten-field record and a pattern-and-minLength record at 96 tokens: 12 -> 20).
-# With this dive, uncut, on that run's 3,203 searches: of the dives that ended after
-# 1.5-2x the tokens left (40) or later (82), none led to a path; of those ending
-# after 1-1.5x, 48 of 168 did. So 1.5 (a hopeless dive a quarter shorter).
-HOPELESS = 1.5
-ENDS, LONG, STUCK = "ends", "long", "stuck"     # how a first dive ended
-CONTENT_KEPT = 4         # content bytes a dive tries again before asking for a mask
 # The searches run on the engine thread beside the forward and compete for its cores:
 # measured at batch 32 (bench/structured_shapes.py 'flat'), window 32 / every 4 tokens
 # cost 28 ms of fill per step (628 tok/s, 906 with budget-aware off); 16 / 8 cost
@@ -86,13 +45,6 @@ EARLY_MARGIN = 8
 # at 20): 105 requests had a search that found nothing, 80 of them searched again
 # later, none found a path; each such search costs a failing search's full price
 # (~1.7 ms on the engine thread, and a storm's 64 requests reach it in one step).
-
-
-def _last_to_end(tokens: list[int], last: int | None) -> list[int]:
-    """`tokens` with `last` (if among them) moved to the end."""
-    if last is None or last not in tokens:
-        return tokens
-    return [t for t in tokens if t != last] + [last]
 
 
 @dataclass(slots=True)
@@ -124,222 +76,42 @@ class Budget:
                 or 0 < self.closing_len and self.left <= self.closing_len + SLACK + SEARCH_EVERY)
 
 
-@dataclass(slots=True)
-class _Node:
-    """Where a search step leads: the tokens it accepts (a closer, then forced text),
-    whether the output may end there, and that state's mask (filled when needed)."""
-    step: list[int]
-    ends: bool
-    mask: tuple[bytes, list[int]] | None = None
-
-
-class ClosingSearch:
-    """Finds short accepting paths for matchers of one vocabulary (engine thread)."""
-
-    def __init__(self, vocab: TokenVocab, vocab_size: int, eos_token_id: int | None,
-                 encoder: ForcedTextEncoder):
-        self._encoder = encoder     # forced text, tokenized as jump-forward does
-        by_bytes: dict[bytes, int] = {}
-        for tid, b in enumerate(vocab.token_bytes[:vocab_size]):
-            if b is not None and b not in by_bytes:
-                by_bytes[b] = tid
-        self.orders = [[by_bytes[c.encode()] for c in order if c.encode() in by_bytes]
-                       for order in (CLOSERS, CLOSERS_ALT)]
-        singles = sorted((b, t) for b, t in by_bytes.items() if len(b) == 1)
-        # whitespace last: it is never what completes an output soonest
-        self.single = [t for b, t in singles if not b.isspace()] + \
-            [t for b, t in singles if b.isspace()]
-        self.eos = eos_token_id
-        self._row = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
-
-    def can_end(self, matcher: Matcher) -> bool:
-        """Whether the output may end here (the eos token is accepted); state unchanged."""
-        if matcher.is_terminated():
-            return True
-        if self.eos is None or not matcher.accept_tokens([self.eos]):
-            return False
-        matcher.rollback(1)
-        return True
-
-    def _mask(self, matcher: Matcher) -> tuple[bytes, list[int]]:
-        """(the mask's bytes, its words as ints) of `matcher`'s state."""
-        matcher.fill_bitmask(self._row, 0)
-        words = self._row[0].numpy()
-        return words.tobytes(), words.tolist()
-
-    def _candidates(self, words: list[int], closers: list[int]) -> list[int]:
-        def allowed(ids):
-            return [t for t in ids if (words[t >> 5] >> (t & 31)) & 1]
-        return (allowed(closers) or allowed(self.single))[:MAX_BRANCH]
-
-    def path(self, matcher: Matcher, limit: int) -> list[int] | None:
-        """Tokens (at most `limit`) that lead `matcher` to a state where the output may
-        end; None if none is found (or the first dive says none will be: HOPELESS).
-        In each closer order: its first dive, then a search for a shorter path; the
-        shortest found is kept. The matcher's state is unchanged."""
-        if self.can_end(matcher):
-            return []
-        nodes: dict[tuple[int, ...], _Node | None] = {}    # shared by the dives and searches
-        found = []
-        for k, order in enumerate(self.orders):
-            cap = int(HOPELESS * limit) if k == 0 else limit
-            dive, verdict = self._dive(matcher, cap, order, nodes)
-            if verdict == LONG and k == 0:
-                return None
-            depth = limit
-            if verdict == ENDS and len(dive) <= limit:
-                found.append(list(dive))
-                depth = len(dive) - 1
-            if (p := self._search(matcher, depth, order, nodes)) is not None:
-                found.append(p)
-        return min(found, key=len) if found else None
-
-    def _dive(self, matcher: Matcher, cap: int, closers: list[int],
-              nodes: dict) -> tuple[tuple[int, ...], str]:
-        """Follow the first of `closers` the matcher accepts at every state (what the
-        depth-first search tries first): (its path, ENDS) when the output may end
-        there, (path, LONG) when it has not after `cap` tokens, (path, STUCK) when
-        neither a closer nor a single-byte token is allowed. Closers are asked one by
-        one (`accepts`: ~1 us each, a mask ~0.1 ms); the token just accepted is asked
-        last (an integer would take '0' for ever). Where no closer is allowed, one of
-        the last CONTENT_KEPT content bytes if allowed, else the mask's first single
-        byte (a pattern's item costs a mask per kind of character once): string
-        content (a minLength, a `[0-9]{4}`: the same mask while it progresses) is
-        followed, so a dive's path also closes such strings, which the search's
-        same-mask rule cannot. Its states are remembered for the search."""
-        path: tuple[int, ...] = ()
-        node = self._root(nodes)
-        last = None              # the last token
-        content: list[int] = []  # the last few content (single-byte) picks, latest first
-        try:
-            while True:
-                tid = next((t for t in _last_to_end(closers, last) if matcher.accepts(t)), None)
-                if tid is None:              # string content goes on: no mask
-                    tid = next((t for t in content if matcher.accepts(t)), None)
-                if tid is None:              # no closer: the first allowed single byte
-                    singles = self._candidates(self._mask_of(node, matcher)[1], [])
-                    tid = singles[0] if singles else None
-                if tid is not None and tid not in closers:
-                    content = [tid] + [t for t in content if t != tid][:CONTENT_KEPT - 1]
-                step = None if tid is None else self._expand(matcher, path, tid, nodes)
-                if step is None:
-                    return path, STUCK
-                last = step.step[-1]
-                node, path = step, path + tuple(step.step)
-                if node.ends:
-                    return path, ENDS
-                if len(path) > cap:
-                    return path, LONG
-        finally:
-            matcher.rollback(len(path))
-
-    def _expand(self, matcher: Matcher, path: tuple[int, ...], tid: int,
-                nodes: dict) -> "_Node | None":
-        """Accept `tid` (after `path`) and what the grammar then forces; None (matcher
-        unchanged) if refused. Both closer orders reach many of the same paths: what a
-        path leads to is remembered, so the second order only re-accepts its tokens
-        instead of asking for forced text and a mask again (same result, a fraction
-        of the cost: a failing search is what a request that cannot close runs)."""
-        key = path + (tid,)
-        if key in nodes:
-            node = nodes[key]
-            if node is not None:
-                ok = matcher.accept_tokens(node.step)
-                assert ok, "a remembered closing step was refused"
-            return node
-        if not matcher.accept_tokens([tid]):
-            nodes[key] = None
+def forced_next(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int | None:
+    """The closing path's next token once the path needs (nearly) all the tokens
+    left, else None. Searches when due (so a second call in a step does not)."""
+    if budget.left > budget.window:
+        if budget.probed or budget.left > PROBE_AT:
             return None
-        step = [tid]
-        if not self.can_end(matcher):       # then what the grammar forces (a key)
-            step += forced_tokens(matcher, self._encoder)
-        node = nodes[key] = _Node(step, self.can_end(matcher))
-        return node
-
-    def _search(self, matcher: Matcher, limit: int, closers: list[int],
-                nodes: dict) -> list[int] | None:
-        """Depth-first, closers in the given order, at most NODE_LIMIT evaluated
-        states; a token that leads back to its state's mask (string content) is not
-        followed."""
-        evaluated = 0
-
-        def dfs(path: tuple[int, ...], sig: bytes, words: list[int],
-                depth: int) -> list[int] | None:
-            nonlocal evaluated
-            for tid in self._candidates(words, closers):
-                if evaluated >= NODE_LIMIT:
-                    return None
-                node = self._expand(matcher, path, tid, nodes)
-                if node is None:
-                    continue
-                evaluated += 1
-                step, rest = node.step, None
-                try:
-                    if len(step) <= depth and node.ends:
-                        return list(step)
-                    if len(step) < depth:
-                        mask = self._mask_of(node, matcher)
-                        if mask[0] != sig:
-                            rest = dfs(path + tuple(step), *mask, depth - len(step))
-                finally:
-                    matcher.rollback(len(step))
-                if rest is not None:
-                    return step + rest
-            return None
-
-        if limit <= 0:
-            return None
-        return dfs((), *self._mask_of(self._root(nodes), matcher), limit)
-
-    @staticmethod
-    def _root(nodes: dict) -> _Node:
-        """The search's starting state, shared by the dive and both orders."""
-        root = nodes.get(())
-        if root is None:
-            root = nodes[()] = _Node([], False)
-        return root
-
-    def _mask_of(self, node: _Node, matcher: Matcher) -> tuple[bytes, list[int]]:
-        """`node`'s mask (`matcher` is in its state), filled once."""
-        if node.mask is None:
-            node.mask = self._mask(matcher)
-        return node.mask
-
-    def forced_next(self, budget: Budget, matcher: Matcher) -> int | None:
-        """The closing path's next token once the path needs (nearly) all the tokens
-        left, else None. Searches when due (so a second call in a step does not)."""
+        _probe(search, budget, matcher)
         if budget.left > budget.window:
-            if budget.probed or budget.left > PROBE_AT:
-                return None
-            self._probe(budget, matcher)
-            if budget.left > budget.window:
-                return None
-        if budget.closing is None and budget.search_due():
-            budget.closing = self.path(matcher, budget.left)
-            budget.closing_len = len(budget.closing) if budget.closing else 0
-            budget.searched_at = budget.left
-            budget.gave_up = budget.closing is None
-        if not budget.closing or len(budget.closing) + SLACK < budget.left:
             return None
-        return budget.closing[0]
-
-    def _probe(self, budget: Budget, matcher: Matcher) -> None:
-        """PROBE_AT tokens before the end: where this request's window opens."""
-        budget.probed = True
-        path = self.path(matcher, budget.left)
+    if budget.closing is None and budget.search_due():
+        budget.closing = search.path(matcher, budget.left)
+        budget.closing_len = len(budget.closing) if budget.closing else 0
         budget.searched_at = budget.left
-        budget.gave_up = path is None
-        if path is not None:
-            budget.window = max(WINDOW, len(path) + EARLY_MARGIN)
-            budget.closing, budget.closing_len = path, len(path)
-
-    def steer(self, budget: Budget, matcher: Matcher, bitmask: torch.Tensor, row: int) -> bool:
-        """Narrow `bitmask[row]` to `forced_next`'s token; True if it did."""
-        token = self.forced_next(budget, matcher)
-        if token is None:
-            return False
-        set_only_tokens(bitmask, row, [token])
-        budget.closed_early = True
-        return True
+        budget.gave_up = budget.closing is None
+    if not budget.closing or len(budget.closing) + SLACK < budget.left:
+        return None
+    return budget.closing[0]
 
 
+def _probe(search: ClosingSearch, budget: Budget, matcher: Matcher) -> None:
+    """PROBE_AT tokens before the end: where this request's window opens."""
+    budget.probed = True
+    path = search.path(matcher, budget.left)
+    budget.searched_at = budget.left
+    budget.gave_up = path is None
+    if path is not None:
+        budget.window = max(WINDOW, len(path) + EARLY_MARGIN)
+        budget.closing, budget.closing_len = path, len(path)
+
+
+def steer(search: ClosingSearch, budget: Budget, matcher: Matcher, bitmask: torch.Tensor,
+          row: int) -> bool:
+    """Narrow `bitmask[row]` to `forced_next`'s token; True if it did."""
+    token = forced_next(search, budget, matcher)
+    if token is None:
+        return False
+    set_only_tokens(bitmask, row, [token])
+    budget.closed_early = True
+    return True

@@ -15,7 +15,7 @@ class ForcedTextEncoder:
     """Forced text -> the token ids to try, remembered per text.
 
     The same forced texts (key names, `","`) come back every step of every
-    request of a schema, and a closing search (grammar/budget.py) meets each a
+    request of a schema, and a closing search (grammar/closing_search.py) meets each a
     dozen times: a tokenizer call costs ~45 us, a dict hit well under one. The
     result depends only on the text, so the cache changes no output. Bounded:
     emptied when it reaches `max_entries` (schemas come and go)."""

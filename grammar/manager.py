@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from formwork.grammar.backend import CompiledGrammar, GrammarBackend, Matcher, allocate_bitmask
-from formwork.grammar.budget import Budget, ClosingSearch
+from formwork.grammar import budget as budget_policy
+from formwork.grammar.budget import Budget
+from formwork.grammar.closing_search import ClosingSearch
 from formwork.grammar.compile_pool import compile_pool
 from formwork.grammar.jump_forward import ForcedTextEncoder, forced_tokens
 from formwork.grammar.llguidance_backend import LLGuidanceBackend
@@ -240,7 +242,8 @@ class StructuredOutputManager:
                 out[row].fill_(-1)
                 continue
             entry, matcher = self._requests[rid], self._matcher(rid)
-            if entry.budget is not None and self._closing.steer(entry.budget, matcher, out, row):
+            if entry.budget is not None and \
+                    budget_policy.steer(self._closing, entry.budget, matcher, out, row):
                 self._stats.budget_steered_steps += 1   # narrowed to one token: no fill
                 steered = True
                 continue
@@ -273,7 +276,7 @@ class StructuredOutputManager:
         entry = self._requests.get(request_id)
         return not (entry is None or entry.status != "ready" or entry.matcher.is_terminated() or
                     (entry.budget is not None and
-                     self._closing.forced_next(entry.budget, entry.matcher) is not None))
+                     budget_policy.forced_next(self._closing, entry.budget, entry.matcher) is not None))
 
     def check_deferred(self, request_id: str, token_id: int) -> bool:
         """Whether the grammar allows `token_id` next (matcher unchanged); counted."""

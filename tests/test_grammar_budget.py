@@ -1,4 +1,4 @@
-"""Budget-aware constrained decoding (grammar/budget.py through the manager): an
+"""Budget-aware constrained decoding (grammar/budget.py and grammar/closing_search.py through the manager): an
 adversarial "model" that never closes a string still ends with a valid document."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from formwork.gateway.cli import build_parser, engine_config
 from formwork.grammar.backend import allowed_token_ids
-from formwork.grammar.budget import NODE_LIMIT, PROBE_AT, STUCK, ClosingSearch
+from formwork.grammar.budget import PROBE_AT
+from formwork.grammar.closing_search import NODE_LIMIT, STUCK, ClosingSearch
 from formwork.grammar.jump_forward import ForcedTextEncoder
 from formwork.grammar.manager import StructuredOutputManager
 from formwork.schemas.structured import StructuredOutputsParams as P
