@@ -261,6 +261,7 @@ class _Kept:
     ~0.2 ms a step at batch 32) and which of their rows were kept."""
     logits: torch.Tensor                # [B, V] after bias, bans and penalties, before temperature
     rows: torch.Tensor                  # [K] int64: the kept rows of `logits`
+    row_max: torch.Tensor               # [B] each row's maximum of `logits`
     temperature: torch.Tensor           # [K]
     redraw: torch.Tensor | None         # [K] the rows' second uniforms; None when all greedy
     spare: torch.Tensor | None = None   # [K, SPARE_DRAWS] uniforms for `candidates`
@@ -337,7 +338,7 @@ class Sampler:
                          _top_k_top_p_min_p(_tempered(logits, batch.temperature), batch).softmax(-1))
                 chosen = torch.where(batch.temperature > 0, _draw(probs, u[:, 0]), chosen)
         if kept:
-            self._kept = _Kept(logits, keep, batch.temperature.index_select(0, keep),
+            self._kept = _Kept(logits, keep, top, batch.temperature.index_select(0, keep),
                                u[:, 1].index_select(0, keep) if u is not None else None,
                                u[:, 2:].index_select(0, keep) if u is not None else None)
         logprobs = (_logprobs(raw if raw is not None else logits, chosen, batch)
@@ -373,13 +374,13 @@ class Sampler:
             temp = kept.temperature.index_select(0, kept_rows).index_select(0, rows)
             u = kept.spare.index_select(0, kept_rows).index_select(0, rows)[:, :k].contiguous()
             if cpu_sampling.usable(kept.logits):
-                top = kept.logits.index_select(0, which).amax(-1)
-                idx = cpu_sampling.draw(kept.logits, which, top, 1.0 / temp, u,
+                idx = cpu_sampling.draw(kept.logits, which, kept.row_max.index_select(0, which),
+                                        1.0 / temp, u,
                                         _block(kept.logits.shape[1]))
                 fine = idx >= 0
             else:
                 sub = kept.logits.index_select(0, which)
-                weights = _weights(sub, temp, sub.amax(-1, keepdim=True))
+                weights = _weights(sub, temp, kept.row_max.index_select(0, which)[:, None])
                 cdf = weights.cumsum(-1)
                 idx = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_max_(cdf.shape[-1] - 1)
                 fine = weights.gather(1, idx) > 0        # rounding at the end: never a zero
