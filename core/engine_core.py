@@ -34,8 +34,8 @@ from formwork.schemas.structured import GrammarStats
 log = logging.getLogger("formwork.engine")
 # Candidates checked for a refused pick before its mask is filled (a greedy row's
 # best tokens; a sampled row's spare draws, gpu/sampler.SPARE_DRAWS): a check is ~7 us
-# (llguidance), a mask fill ~170 us plus a second pick on the logits after the forward. bench/structured_overhead.py at batch 32, greedy:
-# 489 of 781 refusals rescued, constrained / free 0.936 -> 0.971 (best of 3, A/B); at
+# (llguidance), a mask fill ~170 us plus a second pick on the logits after the
+# forward. bench/structured_overhead.py at batch 32, greedy: 489 of 781 refusals rescued, constrained / free 0.936 -> 0.971 (best of 3, A/B); at
 # temperature 0.7: 94 of 129 rescued, 0.986 -> 1.005; structured_shapes' nested
 # shape at 0.7: 198 of 398, 0.836 -> 0.858.
 RESCUE_CANDIDATES = 8

@@ -50,8 +50,8 @@ _SOURCE = r"""
 
 static constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// Index of the first maximum of x[0:n] (of the first NaN if there is one).
-static int64_t first_max(const float* x, int64_t n) {
+// The maximum of x[0:n] over its non-NaN values (-inf if none); *nan: whether any is NaN.
+static float max_value(const float* x, int64_t n, bool* has_nan) {
   float m = NEG_INF;
   bool nan = false;
   int64_t i = 0;
@@ -83,10 +83,18 @@ static int64_t first_max(const float* x, int64_t n) {
     if (std::isnan(v)) nan = true;
     else if (v > m) m = v;
   }
+  *has_nan = nan;
+  return m;
+}
+
+// Index of the first maximum of x[0:n] (of the first NaN if there is one).
+static int64_t first_max(const float* x, int64_t n) {
+  bool nan = false;
+  const float m = max_value(x, n, &nan);
   if (nan) {
     for (int64_t j = 0; j < n; ++j) if (std::isnan(x[j])) return j;
   }
-  i = 0;
+  int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 vb = _mm512_set1_ps(m);
   for (; i + 16 <= n; i += 16) {
@@ -264,8 +272,10 @@ void row_logsumexp(const at::Tensor& x, at::Tensor& out) {
   at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const float* row = base + r * stride;
-      const float m = row[first_max(row, n)];
-      if (std::isnan(m) || m == NEG_INF || m == -NEG_INF) { res[r] = m; continue; }
+      bool nan = false;
+      const float m = max_value(row, n, &nan);
+      if (nan) { res[r] = std::numeric_limits<float>::quiet_NaN(); continue; }
+      if (m == NEG_INF || m == -NEG_INF) { res[r] = m; continue; }
       float s = 0.0f;
       int64_t i = 0;
 #if defined(__AVX512F__)
