@@ -30,10 +30,10 @@ from formwork.grammar.schema_check import (
     locate_keyword,
     native_schema_error,
 )
-from formwork.grammar.schema_formats import backend_format, raise_lowest_bound
+from formwork.grammar.schema_formats import backend_format, exact_dates, raise_lowest_bound
 from formwork.grammar.schema_normalize import map_subschemas, normalize
 from formwork.grammar.schema_oneof import inferred_types, pairwise_disjoint
-from formwork.grammar.schema_rewrites import close_declared
+from formwork.grammar.schema_closing import close_declared_objects, drop_legacy_ref_siblings
 from formwork.grammar.schema_walk import iter_nodes, map_ref_targets, validator_class
 from formwork.grammar.structural_tag import triggered_tags
 from formwork.schemas.structured import StructuredOutputsParams
@@ -101,10 +101,10 @@ def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
     if isinstance(schema, dict):
         draft3 = validator_class(schema) is jsonschema.Draft3Validator
         schema = map_subschemas(schema, lambda n: raise_lowest_bound(
-            backend_format(n, FORMATS, draft3), LOWEST_BOUND))
-    if params.additional_properties == "declared" and isinstance(schema, dict) \
-            and '"allOf"' not in json.dumps(schema):    # closing allOf branches would clash
-        schema = map_subschemas(schema, close_declared)
+            exact_dates(backend_format(n, FORMATS, draft3), draft3), LOWEST_BOUND))
+    schema = drop_legacy_ref_siblings(schema)
+    if params.additional_properties == "declared":
+        schema = close_declared_objects(schema)
     return {} if schema is True else schema
 
 

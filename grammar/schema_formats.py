@@ -3,7 +3,11 @@ backend implements only in part (applied by the backend to what it compiles):
 - `backend_format`: a `format` no draft defines annotates only and is dropped;
   a defined one the backend lacks becomes a narrower one it has, if any;
 - `raise_lowest_bound`: a lower bound below what the backend can build is
-  raised (stricter: only the lowest numbers are lost).
+  raised (stricter: only the lowest numbers are lost);
+- `exact_dates`: `date`, `date-time` and `time` also get a pattern that says
+  exactly what jsonschema's format checker accepts (RFC 3339 with days that
+  exist: no 2021-02-29, no year 0000), minus leap seconds (none is generated:
+  stricter); the backend's own format admitted all three kinds.
 Inputs are not mutated.
 """
 from __future__ import annotations
@@ -39,6 +43,35 @@ def backend_format(node: dict, supported: frozenset[str], draft3: bool) -> dict:
         return {k: v for k, v in node.items() if k != "format"}
     narrower = (DRAFT3_ALIASES.get(fmt) if draft3 else None) or NARROWER_FORMAT.get(fmt)
     return node | {"format": narrower} if narrower in supported else node
+
+
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"   # not 0000
+_LEAP = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+         f"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)")
+_TIME = ("(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]+)?"
+         "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
+DATE_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$"}
+# Draft 3's `time` is "%H:%M:%S" without an offset (jsonschema: strptime).
+_DRAFT3_TIME = "^(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]$"
+
+
+def exact_dates(node: dict, draft3: bool) -> dict:
+    """`node` with a date/time `format` narrowed by the pattern that makes it exact
+    (`DATE_PATTERNS`); beside an existing pattern, through `allOf` (both hold).
+    Draft 3's `time` becomes its pattern alone (the backends' `time` wants an
+    offset, which draft 3's refuses)."""
+    fmt = node.get("format")
+    if draft3 and fmt == "time":
+        narrow, node = _DRAFT3_TIME, {k: v for k, v in node.items() if k != "format"}
+    elif isinstance(fmt, str) and fmt in DATE_PATTERNS:
+        narrow = DATE_PATTERNS[fmt]
+    else:
+        return node
+    if "pattern" not in node:
+        return node | {"pattern": narrow}
+    all_of = node["allOf"] if isinstance(node.get("allOf"), list) else []
+    return node | {"allOf": [*all_of, {"pattern": narrow}]}
 
 
 def raise_lowest_bound(node: dict, lowest: int) -> dict:

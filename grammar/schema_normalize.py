@@ -163,22 +163,23 @@ def _forbid_impossible(out: dict, node: dict) -> dict:
     return out
 
 
-def map_subschemas(schema: Any, fn: Callable[[dict], Any]) -> Any:
+def map_subschemas(schema: Any, fn: Callable[..., Any], with_original: bool = False) -> Any:
     """`schema` with `fn` applied to every subschema object, children first;
-    `schema` itself (not a copy) when `fn` changed nothing."""
+    `schema` itself (not a copy) when `fn` changed nothing. `with_original`:
+    `fn(node, original)`, `original` the subschema as `schema` holds it."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _CHILD_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {k: map_subschemas(v, fn) for k, v in out[key].items()}
+            out[key] = {k: map_subschemas(v, fn, with_original) for k, v in out[key].items()}
     for key in _CHILD_ONE:
         if key in out:
-            out[key] = map_subschemas(out[key], fn)
+            out[key] = map_subschemas(out[key], fn, with_original)
     for key in _CHILD_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [map_subschemas(v, fn) for v in out[key]]
-    out = fn(out)
+            out[key] = [map_subschemas(v, fn, with_original) for v in out[key]]
+    out = fn(out, schema) if with_original else fn(out)
     return schema if out == schema else out
 
 

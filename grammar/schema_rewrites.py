@@ -86,23 +86,6 @@ def lengths_as_plain_pattern(node: dict) -> dict:
     return rest | {"pattern": plain_length_pattern(lo or 0, hi)}
 
 
-_OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-
-
-def close_declared(node: dict) -> dict:
-    """Not exact but stricter: an object node that lists `properties` and says
-    nothing about other properties admits only the declared ones (what OpenAI's
-    strict mode requires and xgrammar's strict mode generates). Left open when a
-    required name is undeclared (closing would make it unsatisfiable)."""
-    props = node.get("properties")
-    if not isinstance(props, dict) or _OPENERS[0] in node or any(k in node for k in _OPENERS[1:]):
-        return node
-    required = node.get("required") if isinstance(node.get("required"), list) else []
-    if any(name not in props for name in required):
-        return node
-    return node | {"additionalProperties": False}
-
-
 def drop_vacuous_unique(node: dict) -> dict:
     """`uniqueItems` that cannot fail (false, or at most one item) says nothing."""
     unique, most = node.get("uniqueItems"), node.get("maxItems")

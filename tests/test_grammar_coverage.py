@@ -6,7 +6,8 @@ loaded by path (bench/ is not part of the installed package).
 
 The hard guarantees, for every backend and for `auto`: no invalid instance is
 accepted, every random walk under the mask that finishes validates against the
-ORIGINAL schema with jsonschema, no mask ever allows a special token, and every
+ORIGINAL schema with jsonschema (formats included: the test extras install its
+checkers), no mask ever allows a special token, and every
 rejection names a keyword and its JSON path. The other numbers are lower bounds
 at the values measured when this test was written (llguidance 1.9.1, xgrammar
 0.2.9, outlines-core 0.2.14); a drop means a regression in the checks or backends.

@@ -101,8 +101,9 @@ def test_format_lengths_match_xgrammar_grammars(fmt):
 
 
 @pytest.mark.parametrize("schema,flagged", [
-    ({"type": "string", "format": "date-time", "minLength": 1}, False),
-    ({"type": "string", "format": "date-time", "minLength": 21}, True),
+    ({"type": "string", "format": "uuid", "minLength": 1}, False),
+    ({"type": "string", "format": "date-time", "minLength": 1}, True),    # a loose format
+    ({"type": "string", "format": "ipv4", "minLength": 7}, True),          # a loose format
     ({"type": "string", "format": "email", "minLength": 3}, False),
     ({"type": "string", "format": "email", "maxLength": 1024}, True),
     ({"type": "string", "format": "uuid", "minLength": 36, "maxLength": 36}, False),
@@ -116,10 +117,10 @@ def test_lengths_implied_by_a_format(schema, flagged):
 
 def test_implied_lengths_hold_for_what_the_grammar_accepts():
     schema = {"type": "object", "properties": {
-        "at": {"type": "string", "format": "date-time", "minLength": 1},
+        "at": {"type": "string", "format": "uuid", "minLength": 1},
         "mail": {"type": "string", "format": "email", "minLength": 2}}}
     grammar = to_xgrammar(StructuredOutputsParams(json=schema, whitespace="compact"))
-    for instance, ok in [({"at": "2020-01-01T00:00:00Z", "mail": "a@b"}, True),
+    for instance, ok in [({"at": "123e4567-e89b-12d3-a456-426614174000", "mail": "a@b"}, True),
                          ({"mail": "a"}, False), ({"at": ""}, False)]:
         assert jsonschema.Draft202012Validator(schema).is_valid(instance) or not ok
         text = json.dumps(instance, separators=(",", ":"))
