@@ -31,6 +31,14 @@ def _valid(params, text, finish="stop", stop_reason=None, mode=None):
     (P(json=SCHEMA), '{"name": "Ann", "age": 3', False),              # not JSON
     (P(json={"type": "string", "format": "date"}), '"2024-02-30"', False),   # formats checked
     (P(json={"type": "string", "format": "date"}), '"2024-02-29"', True),
+    # these checkers come from jsonschema[format-nongpl], a dependency: without it
+    # jsonschema passes any string for date-time and uri
+    (P(json={"type": "string", "format": "date-time"}), '"2021-02-29T00:00:00Z"', False),
+    (P(json={"type": "string", "format": "date-time"}), '"2024-02-29T10:00:00Z"', True),
+    (P(json={"type": "string", "format": "uri"}), '"not a uri"', False),
+    (P(json={"type": "string", "format": "iri"}), '"https://example.com/a"', True),  # URI first
+    (P(json={"type": "string", "format": "iri"}), '"https://example.com/\u00e4"', True),
+    (P(json={"type": "string", "format": "iri"}), '"not an iri"', False),
     (P(json={"$schema": "http://json-schema.org/draft-07/schema#",
              "items": [{"type": "integer"}]}), '["x"]', False),        # draft-07 tuple items
     (P(json_object=True), '{"a": [1]}', True),
