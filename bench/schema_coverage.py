@@ -10,7 +10,7 @@ then the default `json.dumps` spacing) and reject every invalid one? Then
 closing tokens so they finish): every finished output must parse and validate
 against the ORIGINAL schema, and no mask may allow a special token. Ground truth
 is `jsonschema` with the draft the schema declares and its format checkers
-(`jsonschema[format-nongpl]`, in the test extras): every format a backend accepts
+(`jsonschema[format-nongpl]`, a formwork dependency): every format a backend accepts
 it must enforce exactly.
 Reported: accepted, rejections by keyword, valid-instance acceptance, invalid
 instances accepted, invalid walk outputs, compile time p50/p95 (check + compile,

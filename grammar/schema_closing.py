@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from formwork.grammar.schema_normalize import map_subschemas
-from formwork.grammar.schema_walk import is_legacy_draft, local_refs, resolve_local_ref
+from formwork.grammar.schema_walk import is_legacy_draft, iter_nodes, local_refs, resolve_local_ref
 
 _OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 # Keywords of a `$ref` node that drafts 3-7 keep: where other `$ref`s point, and notes.
@@ -28,7 +28,6 @@ _REF_KEEPS = frozenset({"$ref", "definitions", "$defs", "$schema", "$id", "id", 
 _PART_LISTS = ("allOf", "anyOf", "oneOf")
 _PART_ONE = ("then", "else")
 _PART_MAPS = ("dependentSchemas", "dependencies")
-_DATA = frozenset({"enum", "const", "default", "examples"})     # values, never schemas
 
 
 def drop_legacy_ref_siblings(schema: Any) -> Any:
@@ -117,12 +116,8 @@ def close_declared_objects(schema: Any) -> Any:
         return schema
     extra: dict[int, frozenset[str] | None] = {}    # intersected node -> names (None: stays open)
     parts: set[int] = set()
-    stack, seen = [schema], set()
-    while stack:                     # every subschema, `$ref` targets included
-        node = stack.pop()
-        if not isinstance(node, dict) or id(node) in seen:
-            continue
-        seen.add(id(node))
+    for sn in iter_nodes(schema):    # every reachable subschema, `$ref` targets included
+        node = sn.schema
         group = _group(node, schema)
         if group and _intersected(node):
             parts.update(id(p) for p in group)
@@ -134,9 +129,6 @@ def close_declared_objects(schema: Any) -> Any:
                 if isinstance(p.get("properties"), dict):
                     names |= p["properties"].keys()
             extra[id(node)] = None if names is None else frozenset(names)
-        values = [v for k, v in node.items() if k not in _DATA]
-        stack += [v for v in values if isinstance(v, dict)]
-        stack += [x for v in values if isinstance(v, list) for x in v if isinstance(x, dict)]
 
     def close(new: dict, original: dict) -> dict:
         key = id(original)
