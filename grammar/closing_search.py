@@ -24,11 +24,13 @@ from formwork.grammar.vocab import TokenVocab
 # Closing texts, best first: they end strings, objects and arrays, or are the
 # shortest values ("0", '""', "null") of their type; "{" / "[" open a required one.
 CLOSERS = ('""}', '""', '"}', '"]', '","', '":""', '"', '",', '":', '}', ']', '0', 'null',
-           'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}')
+           'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}', 'Z')
 # A second order (string content before empty strings): which is shorter depends
 # on the tokenizer's merges, so both are searched and the shorter path is kept.
 CLOSERS_ALT = ('"}', '"]', '","', '":""', '""}', '""', '"', '",', '":', '}', ']', '0', 'null',
-               'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}')
+               'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}', 'Z')
+# 'Z' is last: it ends a date-time's or a time's seconds, where '0' (fractional digits)
+# is the only other closer allowed and the dive would otherwise write zeros for ever.
 MAX_BRANCH = 6           # candidates expanded per state, in CLOSERS order
 # States evaluated per search and closer order (bounds the cost of one step). 96 -> 32
 # closed exactly the same outputs (bench/budget_aware.py at 24/32/40 tokens: 50/48/50 of
@@ -53,6 +55,14 @@ NODE_LIMIT = 32
 HOPELESS = 1.5
 ENDS, LONG, STUCK = "ends", "long", "stuck"     # how a first dive ended
 CONTENT_KEPT = 4         # content bytes a dive tries again before asking for a mask
+# A dive that has taken the same token this many times running asks the mask once for
+# a single byte of another kind (digit / letter / other): `[0-9]+[a-z]` after digits
+# ends only with a letter, which no closer is. Counted digits (`[0-9]{4}`) stay under it.
+REPEATS = 4
+
+
+def _kind(b: bytes) -> int:
+    return 0 if b.isdigit() else 1 if b.isalpha() else 2
 
 
 def _last_to_end(tokens: list[int], last: int | None) -> list[int]:
@@ -88,6 +98,7 @@ class ClosingSearch:
         self.single = [t for b, t in singles if not b.isspace()] + \
             [t for b, t in singles if b.isspace()]
         self.eos = eos_token_id
+        self._bytes = {t: b for b, t in singles}
         self._row = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
 
     def can_end(self, matcher: Matcher) -> bool:
@@ -149,6 +160,7 @@ class ClosingSearch:
         node = self._root(nodes)
         last = None              # the last token
         content: list[int] = []  # the last few content (single-byte) picks, latest first
+        repeats = 0              # times `last` was taken running
         try:
             while True:
                 tid = next((t for t in _last_to_end(closers, last) if matcher.accepts(t)), None)
@@ -157,6 +169,9 @@ class ClosingSearch:
                 if tid is None:              # no closer: the first allowed single byte
                     singles = self._candidates(self._mask_of(node, matcher)[1], [])
                     tid = singles[0] if singles else None
+                repeats = repeats + 1 if tid is not None and tid == last else 0
+                if repeats == REPEATS and tid in self._bytes:   # once per run of a token
+                    tid = self._other_kind(node, matcher, tid)
                 if tid is not None and tid not in closers:
                     content = [tid] + [t for t in content if t != tid][:CONTENT_KEPT - 1]
                 step = None if tid is None else self._expand(matcher, path, tid, nodes)
@@ -170,6 +185,14 @@ class ClosingSearch:
                     return path, LONG
         finally:
             matcher.rollback(len(path))
+
+    def _other_kind(self, node: _Node, matcher: Matcher, tid: int) -> int:
+        """The first single byte `node`'s mask allows that is of another kind than
+        `tid`'s (whitespace last), else `tid`."""
+        kind = _kind(self._bytes[tid])
+        words = self._mask_of(node, matcher)[1]
+        return next((t for t in self.single if (words[t >> 5] >> (t & 31)) & 1
+                     and _kind(self._bytes[t]) != kind), tid)
 
     def _expand(self, matcher: Matcher, path: tuple[int, ...], tid: int,
                 nodes: dict) -> "_Node | None":

@@ -237,6 +237,26 @@ def test_strings_that_repeat_a_mask_while_they_progress_are_closed(manager, toke
     jsonschema.validate(json.loads(written + tokenizer.decode(path)), CODED)
 
 
+@pytest.mark.parametrize(("prop", "written"), [
+    ({"type": "string", "format": "date-time"}, '{"t": "2021-01-01T00:00:00.'),
+    ({"type": "string", "format": "date-time"}, '{"t": "2021-01-01T00:00:00.00'),
+    ({"type": "string", "format": "time"}, '{"t": "12:00:00.1'),
+    ({"type": "string", "pattern": "^[0-9]+[a-z]$"}, '{"t": "12'),
+])
+def test_a_string_that_only_another_kind_of_byte_ends_is_closed(manager, tokenizer, prop,
+                                                                 written):
+    """Fractional seconds allow '0' for ever and end only with 'Z' or an offset; digits
+    before a required letter the same: the dive took '0' until it gave up, so a
+    date-time cut mid-seconds was not closed."""
+    schema = {"type": "object", "properties": {"t": prop}, "required": ["t"]}
+    matcher, search = _search(manager, tokenizer, schema, written)
+    path = search.path(matcher, 24)
+    assert path is not None and matcher.accept_tokens(path) and search.can_end(matcher)
+    cls = jsonschema.validators.validator_for(schema)
+    cls(schema, format_checker=cls.FORMAT_CHECKER).validate(
+        json.loads(written + tokenizer.decode(path)))
+
+
 def test_an_integer_does_not_take_zeros_for_ever(manager, tokenizer):
     """Inside an integer '0' is always allowed and comes before ',' among the
     closers: the token just taken is tried last, so the dive ends the number."""
