@@ -15,8 +15,12 @@ backends), ``formwork.gpu`` (model, attention, sampler), ``formwork.kernels``
 This file is the package root only: importing ``formwork`` pulls in the
 parameter types, never torch; ``LLM`` and the output types load on first use.
 """
-from formwork.schemas.sampling import SamplingParams
-from formwork.schemas.structured import StructuredOutputsParams
+from formwork.grammar import deferred_iri
+
+deferred_iri.defer()    # before anything imports jsonschema: ~2.8 s of every start
+
+from formwork.schemas.sampling import SamplingParams  # noqa: E402
+from formwork.schemas.structured import StructuredOutputsParams  # noqa: E402
 
 
 def __getattr__(name):

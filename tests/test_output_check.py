@@ -154,3 +154,35 @@ def test_metrics_render_vllm_names_and_constrained_results():
     assert s['formwork_constrained_outputs_total{model_name="smol",result="invalid"}'] == 2
     assert s['formwork_constrained_outputs_total{model_name="smol",result="valid"}'] == 1
     assert s["formwork_prompt_tokens_total" + lab] == 7        # formwork's names stay
+
+
+def test_the_iri_checker_loads_on_first_use_and_checks_as_before():
+    """rfc3987_syntax builds 38 Lark grammars at import (~1-3 s of every process that
+    imports jsonschema): formwork defers it until an IRI is checked. In a fresh
+    interpreter: importing the gateway's checker leaves it (and lark) unloaded; the
+    first IRI check loads the real package and checks with it."""
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import sys
+        from formwork.gateway import output_check
+        import jsonschema
+        from formwork.schemas.structured import StructuredOutputsParams as P
+        assert "lark" not in sys.modules, "the IRI grammars were built at import"
+        iri = P(json={"type": "string", "format": "iri"})
+        check = output_check.check_output
+        verdicts = [check(iri, None, t, "stop", None).valid
+                    for t in ('"https://example.com/\\u00e4"', '"not an iri"')]
+        ref = "iri-reference"
+        fc = jsonschema.Draft202012Validator.FORMAT_CHECKER
+        verdicts += [fc.conforms("//ex.com/\\u00e4", ref), fc.conforms("a b", ref)]
+        assert "lark" in sys.modules and type(sys.modules["rfc3987_syntax"]).__name__ == "module"
+        import rfc3987_syntax
+        verdicts.append(rfc3987_syntax.is_valid_syntax_iri("http://a"))
+        print(verdicts)
+    """)
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["[True,", "False,", "True,", "False,", "True]"], proc.stdout
