@@ -1,7 +1,8 @@
 """Backend views of a schema that keep its meaning or narrow it, for keywords a
 backend implements only in part (applied by the backend to what it compiles):
 - `backend_format`: a `format` no draft defines annotates only and is dropped;
-  a defined one the backend lacks becomes a narrower one it has, if any;
+  a defined one the backend lacks becomes a narrower one it has, if any (a
+  `uri-reference`: a `uri` or a relative reference, `RELATIVE_REF`);
 - `raise_lowest_bound`: a lower bound below what the backend can build is
   raised (stricter: only the lowest numbers are lost);
 - `exact_dates`: `date`, `date-time` and `time` also get a pattern that says
@@ -27,6 +28,16 @@ DRAFT3_FORMATS = frozenset({"host-name", "ip-address", "color", "utc-millisec", 
 NARROWER_FORMAT = {"uri-reference": "uri", "iri": "uri", "iri-reference": "uri",
                    "idn-email": "email"}
 DRAFT3_ALIASES = {"host-name": "hostname", "ip-address": "ipv4"}
+# RFC 3986's relative-ref without an authority ("//host..."): path-absolute,
+# path-noscheme or empty, then ?query and #fragment; ASCII, percent-encoded. With an
+# absolute `uri` beside it (anyOf), a `uri-reference` admits relative references
+# ("../a.json#/defs/x", "/path?q=1"), which narrowing it to `uri` refused.
+_PCHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%[0-9A-Fa-f]{2})"
+_PCHAR_NC = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=@]|%[0-9A-Fa-f]{2})"   # no ":" (not a scheme)
+_QUERY = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*"
+RELATIVE_REF = (rf"^(?:/(?:{_PCHAR}+(?:/{_PCHAR}*)*)?|{_PCHAR_NC}+(?:/{_PCHAR}*)*)?"
+                rf"(?:\?{_QUERY})?(?:#{_QUERY})?$")
+REFERENCE_FORMATS = ("uri-reference", "iri-reference")
 
 
 def backend_format(node: dict, supported: frozenset[str], draft3: bool) -> dict:
@@ -41,6 +52,13 @@ def backend_format(node: dict, supported: frozenset[str], draft3: bool) -> dict:
     defined = SPEC_FORMATS | DRAFT3_FORMATS if draft3 else SPEC_FORMATS
     if fmt not in defined:
         return {k: v for k, v in node.items() if k != "format"}
+    if fmt in REFERENCE_FORMATS and "uri" in supported:
+        rest = {k: v for k, v in node.items() if k != "format"}
+        either = [{"format": "uri"}, {"pattern": RELATIVE_REF}]
+        if "anyOf" not in rest:
+            return rest | {"anyOf": either}
+        all_of = rest["allOf"] if isinstance(rest.get("allOf"), list) else []
+        return rest | {"allOf": [*all_of, {"anyOf": either}]}
     narrower = (DRAFT3_ALIASES.get(fmt) if draft3 else None) or NARROWER_FORMAT.get(fmt)
     return node | {"format": narrower} if narrower in supported else node
 
