@@ -17,7 +17,7 @@ parameter types, never torch; ``LLM`` and the output types load on first use.
 """
 from formwork.grammar import deferred_iri
 
-deferred_iri.defer()    # before anything imports jsonschema: ~2.8 s of every start
+deferred_iri.defer()    # before anything imports jsonschema: ~1 s of every start
 
 from formwork.schemas.sampling import SamplingParams  # noqa: E402
 from formwork.schemas.structured import StructuredOutputsParams  # noqa: E402

@@ -65,6 +65,11 @@ def _kind(b: bytes) -> int:
     return 0 if b.isdigit() else 1 if b.isalpha() else 2
 
 
+def _allowed(words: list[int], ids: list[int]) -> list[int]:
+    """The tokens of `ids` a mask (its words as ints) allows, in order."""
+    return [t for t in ids if (words[t >> 5] >> (t & 31)) & 1]
+
+
 def _last_to_end(tokens: list[int], last: int | None) -> list[int]:
     """`tokens` with `last` (if among them) moved to the end."""
     if last is None or last not in tokens:
@@ -117,9 +122,7 @@ class ClosingSearch:
         return words.tobytes(), words.tolist()
 
     def _candidates(self, words: list[int], closers: list[int]) -> list[int]:
-        def allowed(ids):
-            return [t for t in ids if (words[t >> 5] >> (t & 31)) & 1]
-        return (allowed(closers) or allowed(self.single))[:MAX_BRANCH]
+        return (_allowed(words, closers) or _allowed(words, self.single))[:MAX_BRANCH]
 
     def path(self, matcher: Matcher, limit: int) -> list[int] | None:
         """Tokens (at most `limit`) that lead `matcher` to a state where the output may
@@ -190,9 +193,8 @@ class ClosingSearch:
         """The first single byte `node`'s mask allows that is of another kind than
         `tid`'s (whitespace last), else `tid`."""
         kind = _kind(self._bytes[tid])
-        words = self._mask_of(node, matcher)[1]
-        return next((t for t in self.single if (words[t >> 5] >> (t & 31)) & 1
-                     and _kind(self._bytes[t]) != kind), tid)
+        return next((t for t in _allowed(self._mask_of(node, matcher)[1], self.single)
+                     if _kind(self._bytes[t]) != kind), tid)
 
     def _expand(self, matcher: Matcher, path: tuple[int, ...], tid: int,
                 nodes: dict) -> "_Node | None":

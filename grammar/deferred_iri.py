@@ -2,7 +2,7 @@
 
 jsonschema (with its `format-nongpl` checkers, a dependency: the gateway re-validates
 outputs with formats checked) imports `rfc3987_syntax` when it is installed, and that
-package builds 38 Lark grammars at import: ~2.8 s of every process that imports
+package builds 38 Lark grammars at import: ~1 s of every process that imports
 jsonschema (the gateway, each engine, the CLI), the largest part of a server's start
 on a 2-core box. The IRI checker is rarely asked for (an `iri` / `iri-reference`
 format) and costs ~7 ms a string once loaded.

@@ -25,8 +25,7 @@ DRAFT3_FORMATS = frozenset({"host-name", "ip-address", "color", "utc-millisec", 
 # A defined format whose language contains the other's: generating the narrower
 # one is sound (an absolute URI is a URI-reference and an IRI; an ASCII address an
 # internationalized one). Draft 3's names for later formats.
-NARROWER_FORMAT = {"uri-reference": "uri", "iri": "uri", "iri-reference": "uri",
-                   "idn-email": "email"}
+NARROWER_FORMAT = {"iri": "uri", "idn-email": "email"}
 DRAFT3_ALIASES = {"host-name": "hostname", "ip-address": "ipv4"}
 # RFC 3986's relative-ref without an authority ("//host..."): path-absolute,
 # path-noscheme or empty, then ?query and #fragment; ASCII, percent-encoded. With an
@@ -54,11 +53,7 @@ def backend_format(node: dict, supported: frozenset[str], draft3: bool) -> dict:
         return {k: v for k, v in node.items() if k != "format"}
     if fmt in REFERENCE_FORMATS and "uri" in supported:
         rest = {k: v for k, v in node.items() if k != "format"}
-        either = [{"format": "uri"}, {"pattern": RELATIVE_REF}]
-        if "anyOf" not in rest:
-            return rest | {"anyOf": either}
-        all_of = rest["allOf"] if isinstance(rest.get("allOf"), list) else []
-        return rest | {"allOf": [*all_of, {"anyOf": either}]}
+        return _conjoin(rest, "anyOf", [{"format": "uri"}, {"pattern": RELATIVE_REF}])
     narrower = (DRAFT3_ALIASES.get(fmt) if draft3 else None) or NARROWER_FORMAT.get(fmt)
     return node | {"format": narrower} if narrower in supported else node
 
@@ -74,6 +69,15 @@ DATE_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "ti
 _DRAFT3_TIME = "^(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]$"
 
 
+def _conjoin(node: dict, key: str, value: Any) -> dict:
+    """`node` that also asserts `{key: value}`: as its own keyword where `node` has
+    none, else through `allOf` (both hold)."""
+    if key not in node:
+        return node | {key: value}
+    all_of = node["allOf"] if isinstance(node.get("allOf"), list) else []
+    return node | {"allOf": [*all_of, {key: value}]}
+
+
 def exact_dates(node: dict, draft3: bool) -> dict:
     """`node` with a date/time `format` narrowed by the pattern that makes it exact
     (`DATE_PATTERNS`); beside an existing pattern, through `allOf` (both hold).
@@ -86,10 +90,7 @@ def exact_dates(node: dict, draft3: bool) -> dict:
         narrow = DATE_PATTERNS[fmt]
     else:
         return node
-    if "pattern" not in node:
-        return node | {"pattern": narrow}
-    all_of = node["allOf"] if isinstance(node.get("allOf"), list) else []
-    return node | {"allOf": [*all_of, {"pattern": narrow}]}
+    return _conjoin(node, "pattern", narrow)
 
 
 def raise_lowest_bound(node: dict, lowest: int) -> dict:
