@@ -28,7 +28,6 @@ import msgspec
 import zmq
 
 from formwork.gpu.child_process import die_with_parent, main_module_not_reimported
-from formwork.gpu.cpu_threads import engine_env
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.errors import param_of
 from formwork.schemas.engine import (UTILITY_RESULTS, EngineCoreAbort, EngineCoreOutput,
@@ -177,7 +176,7 @@ class EngineLoop:
 
 def start_engine_process(config: EngineConfig, input_addr: str,
                          output_addr: str) -> multiprocessing.process.BaseProcess:
-    """Spawn the EngineCore process with the engine's OpenMP defaults.
+    """Spawn the EngineCore process.
 
     Not daemonic: a daemonic process may not start children, and the outlines
     backend compiles in a child process (bounded in time and memory). The child
@@ -188,7 +187,7 @@ def start_engine_process(config: EngineConfig, input_addr: str,
     proc = ctx.Process(target=run_engine_core, name="EngineCore", daemon=False,
                        args=(config, input_addr, output_addr, os.getpid(),
                              logging.getLogger().getEffectiveLevel()))
-    with engine_env(config), main_module_not_reimported():
+    with main_module_not_reimported():
         proc.start()
     atexit.register(_stop_at_exit, weakref.ref(proc))
     return proc

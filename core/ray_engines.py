@@ -30,7 +30,6 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from formwork.core.engine_proc import run_engine_core
-from formwork.gpu.cpu_threads import engine_env_defaults
 from formwork.schemas.config import EngineConfig
 
 log = logging.getLogger("formwork.ray")
@@ -184,13 +183,9 @@ class RayEngineLauncher:
         index = self.free_bundle() if index is None else index
         strategy = PlacementGroupSchedulingStrategy(self.placement_group,
                                                     placement_group_bundle_index=index)
-        # the engine process's OpenMP defaults, as a local spawn gets them (Ray sets
-        # the worker's thread count from its CPU share)
-        env = {k: v for k, v in engine_env_defaults(config).items() if k not in os.environ}
         actor = EngineActor.options(
             scheduling_strategy=strategy, num_cpus=self._bundle.get("CPU", 0),
-            num_gpus=self._bundle.get("GPU", 0),
-            runtime_env={"env_vars": env} if env else None).remote()
+            num_gpus=self._bundle.get("GPU", 0)).remote()
         where_ref = actor.where.remote()
         # one engine per actor: the engine itself is never data-parallel
         run_ref = actor.run.remote(replace(config, data_parallel_size=1), input_addr, output_addr,

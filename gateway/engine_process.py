@@ -4,8 +4,8 @@ As vLLM V1 does by default: the engine runs in a fresh spawned process (the
 same `run_engine_core` loop and ZMQ + msgspec protocol `formwork serve` uses),
 so a caller's own torch/OpenMP work cannot slow the engine's threads (with
 libgomp, once a second thread of a process has run an OpenMP region, both lose
-their spin-wait), and the engine's OpenMP settings are chosen at its start
-(`formwork.gpu.cpu_threads.engine_env`), whatever the caller's process imported first.
+their spin-wait), and the engine's OpenMP team is its own, whatever the caller's
+process imported or ran first.
 
 `EngineProcess` has the surface `LLM` uses from an in-process `EngineCore`:
 add_request / abort_requests / step / has_unfinished_requests / check_prompt /

@@ -10,43 +10,24 @@ So the engine keeps the spin policy and sizes the team to the cores nobody else
 is using: `ThreadGovernor`, consulted by the forward thread before each step,
 samples /proc/stat (busy time of the cores this process may run on) and this
 process's own CPU time about once a second; what others used is what is left
-over. Lowering libgomp's spin count (GOMP_SPINCOUNT 30000, default 300000) cost
-nothing measurable quietly and made the moments before a resize 3x less bad,
-so the engine process starts with it unless the user set it.
+over.
 
-Environment defaults go into the environment the EngineCore process is spawned
-with (libgomp reads it once, when torch loads); a variable the user set is
-never overridden.
+libgomp's spin count is left at its default (GOMP_SPINCOUNT 300000). A lower
+one (30000, once the engine's default) made the second before a resize less bad,
+but between two parallel regions the engine thread fills grammar bitmasks, long
+enough for a team with a short spin to fall asleep and be woken again:
+bench/structured_overhead.py at batch 32, five alternating runs each, gave a
+median ratio of 0.976 (0.88-1.01) with the default vs 0.955 (0.93-0.99) with
+30000, and with a burner on one core bench/busy_box.py gave 204 vs 202 tok/s.
+A GOMP_SPINCOUNT the user sets reaches the engine process unchanged.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator
-
-from formwork.schemas.config import EngineConfig
 
 SAMPLE_S = 1.0           # how often the governor looks
 OTHERS_THRESHOLD = 0.5   # a core counts as taken when others used more than this much of one
-
-
-def engine_env_defaults(config: EngineConfig) -> dict[str, str]:
-    """Environment variables the engine process gets unless the user set them."""
-    return {"GOMP_SPINCOUNT": "30000"}
-
-
-@contextlib.contextmanager
-def engine_env(config: EngineConfig) -> Iterator[dict[str, str]]:
-    """Within: os.environ carries the engine defaults the user did not set (a
-    spawned child copies the environment at start); restored on exit."""
-    added = {k: v for k, v in engine_env_defaults(config).items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield added
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
 
 
 def _cpu_busy_seconds(cpus: frozenset[int]) -> float | None:

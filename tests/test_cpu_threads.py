@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from formwork.gpu.cpu_threads import ThreadGovernor, _cpu_busy_seconds, engine_env
+from formwork.gpu.cpu_threads import ThreadGovernor, _cpu_busy_seconds
 
 
 class Box:
@@ -68,18 +68,6 @@ def test_samples_are_rate_limited_and_proc_stat_is_read():
     assert g.sample() is None and g._last[0] == 0.0          # too soon: nothing read
     busy = _cpu_busy_seconds(frozenset(os.sched_getaffinity(0)))
     assert busy is not None and busy > 0
-
-
-def test_engine_env_adds_only_what_the_user_did_not_set(monkeypatch):
-    from formwork.schemas.config import EngineConfig
-
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    with engine_env(EngineConfig()) as added:
-        assert os.environ["GOMP_SPINCOUNT"] == "30000" and added == {"GOMP_SPINCOUNT": "30000"}
-    assert "GOMP_SPINCOUNT" not in os.environ
-    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
-    with engine_env(EngineConfig()) as added:
-        assert os.environ["GOMP_SPINCOUNT"] == "7" and added == {}
 
 
 _TEAM_PROBE = r"""

@@ -28,8 +28,7 @@ def test_engine_process_equals_in_process_and_is_another_process(tiny_model_dir,
     llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)     # the default
     try:
         assert llm.engine.info.pid != os.getpid()
-        assert llm.engine.info.gomp_spincount == "30000"        # chosen by the engine
-        assert "GOMP_SPINCOUNT" not in os.environ               # the caller's env untouched
+        assert llm.engine.info.gomp_spincount == ""             # libgomp's default spin
         assert llm.get_stats().forward_threads >= 1             # the CPU team is governed
         got = [o.outputs[0].token_ids for o in llm.generate(prompts(5), sp, use_tqdm=False)]
         assert got == want

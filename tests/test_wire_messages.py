@@ -31,7 +31,7 @@ STATS = EngineStats(num_running=2, num_waiting=1, num_waiting_for_grammar=0, kv_
 INFO = EngineInfo(max_model_len=512, vocab_size=49152, num_kv_blocks=64, block_size=16,
                   device="cpu", dtype="float32", attention_backend="torch",
                   cuda_graph_sizes=(1, 2, 4), structured_backend="auto", load_seconds=1.5,
-                  pid=1234, gomp_spincount="30000")
+                  pid=1234, gomp_spincount="300000")
 
 
 @pytest.mark.parametrize("msg", [
