@@ -125,7 +125,7 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
     error = _grammar_error(grammar)
     if not error:
         return schema, grammar
-    normalized = normalize(schema)
+    normalized = normalize(schema, exact_false=True)
     for rewritten in (normalized, _disjoint_one_of_as_any_of(_state_types(normalized))):
         if rewritten is not schema and isinstance(rewritten, dict):
             grammar = _json_grammar(rewritten, params)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from formwork.grammar.schema_oneof import inferred_types
-from formwork.grammar.schema_rewrites import forbid_property
+from formwork.grammar.schema_rewrites import Forbid, forbid_property
 
 MAX_IF_BRANCHES = 16
 _IF = frozenset({"if", "then", "else"})
@@ -53,9 +53,11 @@ def _discriminator(cond: Any, annotations: frozenset[str]) -> tuple[str, Any, bo
 
 
 def expand_if_then(node: dict, merge: Callable[[Any, Any], Any], resolve: Callable[[Any], Any],
-                   validator: Any, stay: frozenset[str]) -> dict | None:
+                   validator: Any, stay: frozenset[str],
+                   forbid: Forbid = forbid_property) -> dict | None:
     """`merge(a, b)`: one schema meaning both, or None; `resolve`: a `$ref`-only
-    schema's target; `validator`: jsonschema's over the root. None if not handled."""
+    schema's target; `validator`: jsonschema's over the root; `forbid(node, name)`:
+    `node` without property `name`, or None. None if not handled."""
     others, conds = _conditions(node, stay)
     parsed = [_discriminator(c[0], stay) for c in conds]
     if not conds or None in parsed or len({p[0] for p in parsed}) != 1:  # type: ignore[index]
@@ -80,7 +82,7 @@ def expand_if_then(node: dict, merge: Callable[[Any, Any], Any], resolve: Callab
     except Exception:                      # unresolvable ref, odd regex: leave it
         return None
     if k not in base.get("required", []):
-        cases.append((forbid_property(base, k), [not p[2] for p in parsed]))   # type: ignore[index]
+        cases.append((forbid(base, k), [not p[2] for p in parsed]))   # type: ignore[index]
     branches = []
     for start, holds in cases:
         branch = _apply(start, [c[1] if h else c[2] for c, h in zip(conds, holds)], merge, resolve)

@@ -35,7 +35,9 @@ from formwork.grammar.schema_rewrites import (
     property_names_as_patterns,
     expand_dependencies,
     filter_enum,
+    Forbid,
     forbid_property,
+    forbid_property_exactly,
     fold_pattern_lengths,
     split_typeless,
 )
@@ -68,6 +70,11 @@ class _Ctx:
     legacy: bool
     validator: Any              # jsonschema validator over `root`
     final: bool = False         # the last pass: only `split_typeless`
+    exact_false: bool = False   # the backend enforces `false` subschemas (llguidance)
+
+    @property
+    def forbid(self) -> Forbid:
+        return forbid_property_exactly if self.exact_false else forbid_property
 
     def merge(self, a: Any, b: Any) -> dict | None:
         return merge(a, b, self.legacy)
@@ -78,18 +85,19 @@ def _rewrite_keywords(node: dict, ctx: _Ctx) -> dict | bool:
         return split_typeless(node, _STAY)
     out = filter_enum(node, ctx.validator)
     if out is not False:
-        out = rewrite_not(out, _STAY)
+        out = rewrite_not(out, _STAY, ctx.forbid)
     if out is False:
         return False
     out = fold_pattern_lengths(declare_required(complete_array(drop_vacuous_unique(
         property_names_as_patterns(drop_inapplicable(out))))))
-    return expand_dependencies(out, ctx.merge, _STAY)
+    return expand_dependencies(out, ctx.merge, _STAY, ctx.forbid)
 
 
 def _rewrite(node: dict, ctx: _Ctx) -> dict | bool:
     root, legacy = ctx.root, ctx.legacy
     if not ctx.final and ("if" in node or '"if"' in json.dumps(node.get("allOf", []))):
-        split = expand_if_then(node, ctx.merge, lambda b: _resolve(b, root), ctx.validator, _STAY)
+        split = expand_if_then(node, ctx.merge, lambda b: _resolve(b, root), ctx.validator, _STAY,
+                               ctx.forbid)
         node = split if split is not None else node
     if isinstance(node.get("allOf"), list) and not ctx.final:
         merged: Any = {k: v for k, v in node.items() if k != "allOf"}
@@ -134,7 +142,8 @@ def _normalize(node: Any, ctx: _Ctx, depth: int) -> Any:
     for key in _CHILD_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {k: _normalize(v, ctx, depth + 1) for k, v in out[key].items()}
-    out = _forbid_impossible(out, node)
+    if not ctx.exact_false:
+        out = _forbid_impossible(out, node)
     for key in _CHILD_ONE:
         if key in out:
             out[key] = _normalize(out[key], ctx, depth + 1)
@@ -183,9 +192,9 @@ def map_subschemas(schema: Any, fn: Callable[..., Any], with_original: bool = Fa
     return schema if out == schema else out
 
 
-def _context(root: dict, final: bool = False) -> _Ctx:
+def _context(root: dict, final: bool = False, exact_false: bool = False) -> _Ctx:
     cls = validator_class(root)
-    return _Ctx(root, is_legacy_draft(root), cls(root), final)
+    return _Ctx(root, is_legacy_draft(root), cls(root), final, exact_false)
 
 
 def _standard_location(parts: list[str]) -> bool:
@@ -194,19 +203,22 @@ def _standard_location(parts: list[str]) -> bool:
         p in _CHILD_ONE for p in parts)
 
 
-def normalize(schema: Any) -> Any:
+def normalize(schema: Any, exact_false: bool = False) -> Any:
     """An equivalent schema with allOf merged, anyOf/oneOf siblings pushed into
     the branches and the `schema_rewrites` applied where that is exact; `schema`
-    itself if nothing changed."""
+    itself if nothing changed. `exact_false`: the backend enforces `false`
+    subschemas (llguidance), so "property absent" is `properties: {name: false}`
+    and never closes an object; else (xgrammar, which refuses `false`) it closes
+    objects that are otherwise open."""
     if not isinstance(schema, dict):
         return schema
-    out = _normalize(schema, _context(schema), 0)
+    out = _normalize(schema, _context(schema, exact_false=exact_false), 0)
     if isinstance(out, dict):              # `$ref` targets where no keyword leads
-        ctx = _context(out)
+        ctx = _context(out, exact_false=exact_false)
         out = map_ref_targets(out, lambda node: _normalize(node, ctx, 1), _standard_location)
     if isinstance(out, dict):              # again: `$ref` targets are normalized now
-        out = _normalize(out, _context(out), 0)
+        out = _normalize(out, _context(out, exact_false=exact_false), 0)
     if isinstance(out, dict):
-        out = _normalize(out, _context(out, final=True), 0)
+        out = _normalize(out, _context(out, final=True, exact_false=exact_false), 0)
     return schema if json.dumps(out, sort_keys=True) == json.dumps(schema, sort_keys=True) \
         else out

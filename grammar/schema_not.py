@@ -9,8 +9,9 @@ common shapes say only which properties an object must lack.
   The node becomes an anyOf over the ways to meet every clause, each branch the
   node with the chosen names forbidden (`forbid_property`); a name the node
   requires cannot be chosen, and when no way is left the node is `false`.
-  Exact, except that forbidding a name closes an object that said nothing about
-  other properties (stricter: see `forbid_property`). At most
+  Exact for a backend that enforces `properties: {name: false}`
+  (`forbid_property_exactly`); for xgrammar forbidding a name closes an object
+  that said nothing about other properties (stricter: see `forbid_property`). At most
   `MAX_NOT_BRANCHES` branches, else the node is left alone (and stays flagged).
 Inputs are not mutated.
 """
@@ -20,7 +21,7 @@ import itertools
 from typing import Any
 
 from formwork.grammar.schema_oneof import inferred_types
-from formwork.grammar.schema_rewrites import forbid_property
+from formwork.grammar.schema_rewrites import Forbid, forbid_property
 from formwork.grammar.schema_rules import ASSERTIONS
 
 MAX_NOT_BRANCHES = 8
@@ -83,7 +84,7 @@ def absent_clauses(sub: Any) -> list[list[str]] | None:
     return None
 
 
-def _branches(node: dict, clauses: list[list[str]]) -> list[dict] | None:
+def _branches(node: dict, clauses: list[list[str]], forbid: Forbid) -> list[dict] | None:
     required = node.get("required", [])
     options = [[n for n in c if n not in required] for c in clauses]
     choices = 1
@@ -95,7 +96,7 @@ def _branches(node: dict, clauses: list[list[str]]) -> list[dict] | None:
     for pick in itertools.product(*options):   # no product when an option is empty
         branch: Any = node
         for name in dict.fromkeys(pick):
-            branch = forbid_property(branch, name)
+            branch = forbid(branch, name)
             if branch is None:
                 return None
         if branch not in out:
@@ -103,8 +104,9 @@ def _branches(node: dict, clauses: list[list[str]]) -> list[dict] | None:
     return out
 
 
-def rewrite_not(node: dict, stay: frozenset[str]) -> dict | bool:
-    """`stay`: keys (annotations, definitions) kept on the outer node."""
+def rewrite_not(node: dict, stay: frozenset[str], forbid: Forbid = forbid_property) -> dict | bool:
+    """`stay`: keys (annotations, definitions) kept on the outer node; `forbid(node,
+    name)`: `node` without property `name`, or None."""
     if "not" not in node:
         return node
     sub, rest = node["not"], {k: v for k, v in node.items() if k != "not"}
@@ -119,7 +121,7 @@ def rewrite_not(node: dict, stay: frozenset[str]) -> dict | bool:
         return node
     # `not {required: ...}` refuses every non-object: the type is stated, not inferred
     inner = {k: v for k, v in rest.items() if k not in stay} | {"type": "object"}
-    branches = _branches(inner, clauses)
+    branches = _branches(inner, clauses, forbid)
     if branches is None or len(branches) > MAX_NOT_BRANCHES:
         return node
     if not branches:

@@ -230,6 +230,19 @@ def forbid_property(node: dict, name: str) -> dict | None:
     return dict(node, properties=props, additionalProperties=False)
 
 
+def forbid_property_exactly(node: dict, name: str) -> dict | None:
+    """`node` and "no property `name`" as `properties: {name: false}`, for a backend
+    that enforces `false` (llguidance): exact whatever the object says about other
+    names. None when the node requires `name`."""
+    props = node.get("properties", {})
+    if name in node.get("required", []) or not isinstance(props, dict):
+        return None
+    return dict(node, properties=props | {name: False})
+
+
+Forbid = Callable[[dict, str], "dict | None"]
+
+
 def _present(node: dict, name: str, deps: list, merge: Merge) -> dict | None:
     out: Any = dict(node, required=list(dict.fromkeys(node.get("required", []) + [name])))
     for kind, dep in deps:
@@ -242,8 +255,10 @@ def _present(node: dict, name: str, deps: list, merge: Merge) -> dict | None:
     return out
 
 
-def expand_dependencies(node: dict, merge: Merge, stay: frozenset[str]) -> dict:
-    """`merge(a, b)`: one schema meaning "a and b", or None."""
+def expand_dependencies(node: dict, merge: Merge, stay: frozenset[str],
+                        forbid: Forbid = forbid_property) -> dict:
+    """`merge(a, b)`: one schema meaning "a and b", or None; `forbid(node, name)`:
+    `node` without property `name`, or None."""
     cases = _dependency_cases(node)
     if not cases:
         return node
@@ -258,7 +273,7 @@ def expand_dependencies(node: dict, merge: Merge, stay: frozenset[str]) -> dict:
         grown = []
         for b in branches:
             if name not in b.get("required", []):
-                absent = forbid_property(b, name)
+                absent = forbid(b, name)
                 if absent is None:
                     return node
                 grown.append(absent)

@@ -319,3 +319,23 @@ def test_int64_lower_bound_is_raised_for_llguidance(compile_for, tokenizer, voca
     assert not accepts(compiled, tokenizer, vocab, '{"n":-9223372036854775808}')  # the loss
     for text in _walk_outputs(compiled, vocab, random.Random(5)):
         assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
+@pytest.mark.parametrize("extra", ["declared", "schema"])
+def test_not_required_keeps_other_properties_for_llguidance(extra, compile_for, tokenizer, vocab):
+    """package.json's shape: allOf [declared properties, anyOf [a and not b, b and not a]].
+    llguidance enforces `properties: {b: false}`, so "b is absent" no longer closes the
+    branch's object (which refused every property the other allOf branch declares)."""
+    schema = {"allOf": [
+        {"type": "object", "properties": {"name": {"type": "string"}}},
+        {"anyOf": [{"properties": {"a": {"type": "integer"}}, "not": {"required": ["b"]}},
+                   {"properties": {"b": {"type": "integer"}}, "not": {"required": ["a"]}}]}]}
+    name, compiled = compile_for(P(json=schema, whitespace="compact", additional_properties=extra))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {
+        '{"name":"x","a":1}': True, '{"name":"x","b":2}': True, '{"name":"x"}': True,
+        '{"name":"x","a":1,"b":2}': False, '{"name":"x","a":"1"}': False})
+    if extra == "schema":
+        judge(compiled, tokenizer, vocab, schema, {'{"name":"x","zz":[1]}': True})
+    for text in _walk_outputs(compiled, vocab, random.Random(extra)):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
