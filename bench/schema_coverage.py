@@ -9,9 +9,10 @@ then the default `json.dumps` spacing) and reject every invalid one? Then
 `--walks` random walks under the mask (SmolLM2's tokenizer, biased toward
 closing tokens so they finish): every finished output must parse and validate
 against the ORIGINAL schema, and no mask may allow a special token. Ground truth
-is `jsonschema` with the draft the schema declares and its format checkers
-(`jsonschema[format-nongpl]`, a formwork dependency): every format a backend accepts
-it must enforce exactly.
+is `jsonschema` with the draft the schema declares, and the format checkers of
+its latest draft (`jsonschema[format-nongpl]`, a formwork dependency) whatever the
+schema's draft (formwork enforces `format: date` in a draft-04 schema too): every
+format a backend accepts it must enforce exactly.
 Reported: accepted, rejections by keyword, valid-instance acceptance, invalid
 instances accepted, invalid walk outputs, compile time p50/p95 (check + compile,
 as the engine's compile pool runs them).
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import pathlib
 import random
+import re
 import statistics
 import sys
 import time
@@ -56,6 +59,8 @@ class Result:
     compile_s: float = 0.0
     valid_total: int = 0
     valid_accepted: int = 0
+    formats_hold_total: int = 0      # valid texts whose formats hold too
+    formats_hold_accepted: int = 0
     invalid_total: int = 0
     invalid_rejected: int = 0
     unsound: list[str] = field(default_factory=list)      # invalid accepted: failing keyword
@@ -92,6 +97,14 @@ def _texts(instance) -> list[str]:
     return [compact] if spaced == compact else [compact, spaced]
 
 
+@functools.lru_cache(maxsize=1)
+def _formats():
+    """The latest draft's format checkers, whatever draft a schema declares."""
+    import jsonschema
+
+    return jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+
 def _reorder(instance, schema, root, strip: bool = False):
     """`instance` with object keys in the schema's `properties` order and, if
     `strip`, without undeclared keys (best effort, for attributing rejections)."""
@@ -114,6 +127,16 @@ def _reorder(instance, schema, root, strip: bool = False):
                 out += [c for b in node[kw] for c in candidates(b, depth + 1)]
         return out
 
+    def undeclared(node, key):     # the schema of an undeclared key: a matching pattern's
+        for pattern, sub in (node.get("patternProperties") or {}).items():
+            try:
+                if re.search(pattern, key):
+                    return sub
+            except re.error:
+                pass
+        extra = node.get("additionalProperties")
+        return extra if isinstance(extra, dict) else None
+
     schema = deref(schema)
     if isinstance(instance, dict) and isinstance(schema, dict):
         declared = [c["properties"] for c in candidates(schema)
@@ -121,7 +144,8 @@ def _reorder(instance, schema, root, strip: bool = False):
         props = max(declared, key=lambda p: len(p.keys() & instance.keys()), default={})
         extra = [] if strip and props else [k for k in instance if k not in props]
         order = [k for k in props if k in instance] + extra
-        return {k: _reorder(instance[k], props.get(k), root, strip) for k in order}
+        return {k: _reorder(instance[k], props[k] if k in props else undeclared(schema, k),
+                            root, strip) for k in order}
     if isinstance(instance, list) and isinstance(schema, dict):
         return [_reorder(x, schema.get("items"), root, strip) for x in instance]
     return instance
@@ -234,7 +258,7 @@ class Runner:
         except json.JSONDecodeError:
             res.walk_invalid.append(f"not JSON: {text[:120]!r}")
             return
-        checked = validator.evolve(format_checker=validator.FORMAT_CHECKER)
+        checked = validator.evolve(format_checker=_formats())
         errors = list(checked.iter_errors(instance))
         if errors:
             res.walk_invalid.append(f"{errors[0].validator}: {text[:120]!r}")
@@ -250,11 +274,14 @@ class Runner:
 
     def _check_instance(self, res, compiled, validator, schema, instance) -> None:
         errors = list(validator.iter_errors(instance))
+        formats_hold = not errors and validator.evolve(format_checker=_formats()).is_valid(instance)
         for text in _texts(instance):
             got = self.accepts(compiled, text)
             if not errors:
                 res.valid_total += 1
                 res.valid_accepted += got
+                res.formats_hold_total += formats_hold
+                res.formats_hold_accepted += got and formats_hold
                 if not got:
                     res.restrictive.append(
                         self._why_rejected(compiled, validator, schema, instance))
@@ -268,7 +295,7 @@ class Runner:
     def _why_rejected(self, compiled, validator, schema, instance) -> str:
         """Why a valid instance was refused: formats are asserted, keys must follow
         the schema's order, undeclared keys are refused (strict mode), or other."""
-        if not validator.evolve(format_checker=validator.FORMAT_CHECKER).is_valid(instance):
+        if not validator.evolve(format_checker=_formats()).is_valid(instance):
             return "format"
         if self.accepts(compiled, _texts(_reorder(instance, schema, schema))[0]):
             return "key-order"
@@ -302,6 +329,9 @@ def summarize(results: list[Result]) -> str:
     lines.append("invalid instances accepted, by failing keyword: "
                  + (", ".join(f"{k} {v}" for k, v in unsound.most_common()) or "none"))
     restrict = collections.Counter(k for r in results for k in r.restrictive)
+    acc = [r for r in results if r.accepted]
+    held = sum(r.formats_hold_accepted for r in acc), sum(r.formats_hold_total for r in acc)
+    lines.append(f"valid instances whose formats hold too: {held[0]}/{held[1]} {pct(*held)} accepted")
     lines.append("valid instances rejected: "
                  + (", ".join(f"{k} {v}" for k, v in restrict.most_common()) or "none"))
     finished = sum(r.walks_finished for r in results)
