@@ -55,10 +55,17 @@ NODE_LIMIT = 32
 HOPELESS = 1.5
 ENDS, LONG, STUCK = "ends", "long", "stuck"     # how a first dive ended
 CONTENT_KEPT = 4         # content bytes a dive tries again before asking for a mask
-# A dive that has taken the same token this many times running asks the mask once for
-# a single byte of another kind (digit / letter / other): `[0-9]+[a-z]` after digits
-# ends only with a letter, which no closer is. Counted digits (`[0-9]{4}`) stay under it.
+# A dive whose tokens have come from the same two (one token, or two alternating) this
+# many times running asks the mask once for a single byte outside them: `[0-9]+[a-z]`
+# after digits ends only with a letter, which no closer is; an email's local part takes
+# '}' and '0' by turns (both are closers) and ends only with '@'. Counted digits
+# (`[0-9]{4}`) stay under it.
 REPEATS = 4
+# That byte, best first: a separator that moves a format on to its next part ('@'
+# after an email's local part, ':' after a uri's scheme), then a byte of a kind (digit
+# / letter / other) the run did not take ('Z' or '+' after fractional seconds), then
+# the rest; vocabulary order within each.
+SEPARATORS = b"@:"
 
 
 def _kind(b: bytes) -> int:
@@ -162,8 +169,9 @@ class ClosingSearch:
         path: tuple[int, ...] = ()
         node = self._root(nodes)
         last = None              # the last token
+        recent: list[int] = []   # the last two tokens
         content: list[int] = []  # the last few content (single-byte) picks, latest first
-        repeats = 0              # times `last` was taken running
+        repeats = 0              # tokens taken running from `recent`
         try:
             while True:
                 tid = next((t for t in _last_to_end(closers, last) if matcher.accepts(t)), None)
@@ -172,15 +180,16 @@ class ClosingSearch:
                 if tid is None:              # no closer: the first allowed single byte
                     singles = self._candidates(self._mask_of(node, matcher)[1], [])
                     tid = singles[0] if singles else None
-                repeats = repeats + 1 if tid is not None and tid == last else 0
-                if repeats == REPEATS and tid in self._bytes:   # once per run of a token
-                    tid = self._other_kind(node, matcher, tid)
+                repeats = repeats + 1 if tid is not None and tid in recent else 0
+                if repeats == REPEATS:       # once per run
+                    tid = self._other_kind(node, matcher, tid, {tid, *recent})
                 if tid is not None and tid not in closers:
                     content = [tid] + [t for t in content if t != tid][:CONTENT_KEPT - 1]
                 step = None if tid is None else self._expand(matcher, path, tid, nodes)
                 if step is None:
                     return path, STUCK
                 last = step.step[-1]
+                recent = [tid, *recent][:2]
                 node, path = step, path + tuple(step.step)
                 if node.ends:
                     return path, ENDS
@@ -189,12 +198,19 @@ class ClosingSearch:
         finally:
             matcher.rollback(len(path))
 
-    def _other_kind(self, node: _Node, matcher: Matcher, tid: int) -> int:
-        """The first single byte `node`'s mask allows that is of another kind than
-        `tid`'s (whitespace last), else `tid`."""
-        kind = _kind(self._bytes[tid])
-        return next((t for t in _allowed(self._mask_of(node, matcher)[1], self.single)
-                     if _kind(self._bytes[t]) != kind), tid)
+    def _other_kind(self, node: _Node, matcher: Matcher, tid: int, run: set[int]) -> int:
+        """A single byte `node`'s mask allows that is not in `run` (the tokens of a
+        run): a SEPARATORS byte first, then one of a kind no single byte of the run
+        is, then any (whitespace last); else `tid`."""
+        kinds = {_kind(self._bytes[t]) for t in run if t in self._bytes}
+        others = [t for t in _allowed(self._mask_of(node, matcher)[1], self.single)
+                  if t not in run]
+
+        def rank(t: int) -> tuple[int, int]:
+            b = self._bytes[t]
+            sep = SEPARATORS.find(b)
+            return (0, sep) if sep >= 0 else (1, 0) if _kind(b) not in kinds else (2, 0)
+        return min(others, key=rank, default=tid)
 
     def _expand(self, matcher: Matcher, path: tuple[int, ...], tid: int,
                 nodes: dict) -> "_Node | None":

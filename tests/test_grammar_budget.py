@@ -242,12 +242,16 @@ def test_strings_that_repeat_a_mask_while_they_progress_are_closed(manager, toke
     ({"type": "string", "format": "date-time"}, '{"t": "2021-01-01T00:00:00.00'),
     ({"type": "string", "format": "time"}, '{"t": "12:00:00.1'),
     ({"type": "string", "pattern": "^[0-9]+[a-z]$"}, '{"t": "12'),
+    ({"type": "string", "format": "email"}, '{"t": "john'),
+    ({"type": "string", "format": "email"}, '{"t": "john.'),
+    ({"type": "string", "format": "uri"}, '{"t": "ht'),
 ])
 def test_a_string_that_only_another_kind_of_byte_ends_is_closed(manager, tokenizer, prop,
                                                                  written):
     """Fractional seconds allow '0' for ever and end only with 'Z' or an offset; digits
     before a required letter the same: the dive took '0' until it gave up, so a
-    date-time cut mid-seconds was not closed."""
+    date-time cut mid-seconds was not closed. An email's local part takes the closers
+    '}' and '0' by turns and ends only with '@'; a uri's scheme ('0' and 'null') with ':'."""
     schema = {"type": "object", "properties": {"t": prop}, "required": ["t"]}
     matcher, search = _search(manager, tokenizer, schema, written)
     path = search.path(matcher, 24)
