@@ -27,6 +27,7 @@ from formwork.grammar.schema_rewrites import (
 from formwork.grammar.schema_rules import (
     ASSERTIONS as ASSERTION_KEYWORDS,
     XGRAMMAR_FORMAT_LENGTHS,
+    XGRAMMAR_NARROWER_FORMAT,
     common_issues,
     ref_issues,
     outlines_only_issues,
@@ -176,6 +177,8 @@ def check_schema(schema: Any, backend: str) -> Any:
     (`schema_normalize`), that `backend` enforces exactly. Otherwise raise
     UnsupportedSchemaError listing what `backend` drops (paths into `schema`)."""
     check_metaschema(schema)
+    if backend == "xgrammar":
+        schema = map_subschemas(schema, _xgrammar_format)
     issues = find_issues(schema, backend)
     if not issues:
         return _backend_view(schema, backend)
@@ -183,6 +186,13 @@ def check_schema(schema: Any, backend: str) -> Any:
     if rewritten is not schema and not find_issues(rewritten, backend):
         return _backend_view(rewritten, backend)
     raise UnsupportedSchemaError(issues, backend)
+
+
+def _xgrammar_format(node: dict) -> dict:
+    """A format xgrammar lacks as the narrower one it enforces (XGRAMMAR_NARROWER_FORMAT)."""
+    fmt = node.get("format")
+    narrower = XGRAMMAR_NARROWER_FORMAT.get(fmt) if isinstance(fmt, str) else None
+    return node | {"format": narrower} if narrower else node
 
 
 def _backend_view(schema: Any, backend: str) -> Any:

@@ -15,6 +15,7 @@ from formwork.grammar.schema_check import UnsupportedSchemaError
 from formwork.grammar.schema_lengths import plain_length_pattern
 from formwork.grammar.selection import choose_backend
 from formwork.grammar.vocab import TokenVocab
+from formwork.grammar.xgrammar_backend import to_xgrammar
 from formwork.schemas.structured import StructuredOutputsParams as P
 
 VOCAB = 49152
@@ -339,3 +340,30 @@ def test_not_required_keeps_other_properties_for_llguidance(extra, compile_for, 
         judge(compiled, tokenizer, vocab, schema, {'{"name":"x","zz":[1]}': True})
     for text in _walk_outputs(compiled, vocab, random.Random(extra)):
         assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
+@pytest.mark.parametrize("fmt,served", [("iri", "uri"), ("iri-reference", "uri-reference"),
+                                        ("idn-email", "email")])
+def test_xgrammar_formats_it_lacks_are_served_narrower(fmt, served, compile_for, tokenizer, vocab):
+    """xgrammar has no grammar for iri / iri-reference / idn-email and admitted any
+    string for them ('})ega##' as an IRI, found on held-out schemas): they are served
+    as the ASCII format it enforces. Walk outputs validate with formats checked."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "format": fmt}},
+              "required": ["s"], "additionalProperties": False}
+    name, compiled = compile_for(P(json=schema, whitespace="compact", backend="xgrammar"))
+    assert name == "xgrammar"
+    checker = jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    assert not accepts(compiled, tokenizer, vocab, '{"s":"a b"}')
+    outputs = list(_walk_outputs(compiled, vocab, random.Random(fmt)))
+    assert outputs
+    for text in outputs:
+        value = json.loads(text)
+        assert checker.is_valid(value), text
+        assert jsonschema.Draft202012Validator.FORMAT_CHECKER.conforms(value["s"], served), text
+
+
+@pytest.mark.parametrize("fmt", ["idn-hostname", "regex"])
+def test_xgrammar_refuses_formats_it_would_not_enforce(fmt):
+    with pytest.raises(UnsupportedSchemaError, match="format"):
+        to_xgrammar(P(json={"type": "string", "format": fmt}, backend="xgrammar"))
