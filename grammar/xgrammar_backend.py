@@ -22,6 +22,7 @@ from formwork.grammar.schema_check import (
     native_schema_error,
 )
 from formwork.grammar.structural_tag import structural_tag_spec
+from formwork.grammar.utf8_guard import INVALID, Utf8Guard
 from formwork.grammar.vocab import TokenVocab, VocabKind
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -107,16 +108,30 @@ def to_xgrammar(params: StructuredOutputsParams) -> xgr.Grammar:
 
 
 class XGrammarMatcher(Matcher):
-    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int):
+    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int, guard: Utf8Guard):
         self.native = xgr.GrammarMatcher(compiled)
         self._eos = eos_token_id
+        self._guard = guard
+        self._utf8 = [0]         # UTF-8 decoder state after each accepted token (utf8_guard)
+
+    @property
+    def utf8_state(self) -> int:
+        return self._utf8[-1]
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        states = []
+        state = self._utf8[-1]
+        for tid in token_ids:
+            state = self._guard.step(state, (tid,))
+            if state == INVALID:        # ill-formed UTF-8, which xgrammar would take
+                return False
+            states.append(state)
         for n, tid in enumerate(token_ids):
             if not self.native.accept_token(int(tid)):
                 if n:
                     self.native.rollback(n)
                 return False
+        self._utf8 += states
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -124,6 +139,7 @@ class XGrammarMatcher(Matcher):
             set_only_tokens(bitmask, row, [self._eos])
         else:
             self.native.fill_next_token_bitmask(bitmask, row)
+            self._guard.restrict(bitmask, row, self._utf8[-1])
 
     def is_terminated(self) -> bool:
         return self.native.is_terminated()
@@ -131,9 +147,11 @@ class XGrammarMatcher(Matcher):
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self.native.rollback(num_tokens)
+            del self._utf8[-num_tokens:]
 
     def reset(self) -> None:
         self.native.reset()
+        self._utf8 = [0]
 
     def jump_forward_string(self) -> str:
         if self.native.is_terminated():
@@ -144,12 +162,13 @@ class XGrammarMatcher(Matcher):
 class XGrammarCompiled(CompiledGrammar):
     backend_name = "xgrammar"
 
-    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int):
+    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int, guard: Utf8Guard):
         self.native = compiled
         self._eos = eos_token_id
+        self._guard = guard
 
     def new_matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self.native, self._eos)
+        return XGrammarMatcher(self.native, self._eos, self._guard)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -172,13 +191,14 @@ class XGrammarBackend(GrammarBackend):
         self._batch = xgr.BatchGrammarMatcher(max_threads)
         self._batch_fill_min = batch_fill_min
         self._eos = vocab.eos_token_id
+        self._guard = Utf8Guard(vocab)
 
     def check(self, params: StructuredOutputsParams) -> None:
         to_xgrammar(params)
 
     def compile(self, params: StructuredOutputsParams) -> XGrammarCompiled:
         grammar = to_xgrammar(params)
-        return XGrammarCompiled(self._compiler.compile_grammar(grammar), self._eos)
+        return XGrammarCompiled(self._compiler.compile_grammar(grammar), self._eos, self._guard)
 
     def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
                       rows: Sequence[int]) -> None:
@@ -197,12 +217,14 @@ class XGrammarBackend(GrammarBackend):
             if m.is_terminated():
                 m.fill_bitmask(bitmask, row)
             else:
-                live.append(m.native)
+                live.append(m)
                 live_rows.append(row)
         if len(live) >= self._batch_fill_min:
-            self._batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
+            self._batch.batch_fill_next_token_bitmask([m.native for m in live], bitmask, live_rows)
         else:
-            for native, row in zip(live, live_rows):
-                native.fill_next_token_bitmask(bitmask, row)
+            for m, row in zip(live, live_rows):
+                m.native.fill_next_token_bitmask(bitmask, row)
+        for m, row in zip(live, live_rows):
+            self._guard.restrict(bitmask, row, m.utf8_state)
         for src, dst in copies:
             bitmask[dst].copy_(bitmask[src])

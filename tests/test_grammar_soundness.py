@@ -3,8 +3,10 @@ nothing (measured on held-out JSONSchemaBench schemas), one test per finding.
 Every acceptance is judged against jsonschema on the original schema."""
 from __future__ import annotations
 
+import codecs
 import json
 import random
+import re
 
 import jsonschema
 import pytest
@@ -367,3 +369,64 @@ def test_xgrammar_formats_it_lacks_are_served_narrower(fmt, served, compile_for,
 def test_xgrammar_refuses_formats_it_would_not_enforce(fmt):
     with pytest.raises(UnsupportedSchemaError, match="format"):
         to_xgrammar(P(json={"type": "string", "format": fmt}, backend="xgrammar"))
+
+
+def _utf8_prefix_ok(data: bytes) -> bool:
+    """Whether `data` is well-formed UTF-8 or a prefix of it (the reference: Python's
+    incremental decoder)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+@pytest.mark.parametrize("params", [
+    P(regex="a.b"), P(regex="a.+b"), P(regex="[^x]{1,6}"),
+    P(json={"type": "string", "maxLength": 4}, whitespace="compact", backend="xgrammar"),
+    P(json={"type": "string"}, whitespace="compact", backend="xgrammar")],
+    ids=["dot", "dot-plus", "negated-class", "maxLength", "string"])
+def test_xgrammar_output_is_well_formed_utf8(params, compile_for, tokenizer, vocab):
+    """xgrammar took a UTF-16 surrogate written in UTF-8 (ED A0 80) for `.` and in JSON
+    strings, and overlong forms (E0 80 80) in length-bounded strings: the text then held
+    three U+FFFD for one character ('a.b' matched 'a\\ufffd\\ufffd\\ufffdb', a maxLength
+    could be exceeded). Mid-character, the mask allows exactly the well-formed
+    continuations, and random walks biased to non-ASCII bytes end in text that matches."""
+    name, compiled = compile_for(params)
+    assert name == "xgrammar"
+    byte_token = {b: t for t, b in enumerate(vocab.token_bytes[:VOCAB]) if b and len(b) == 1}
+    start = tokenizer.encode("a" if params.regex and params.regex.startswith("a") else
+                             ('"' if params.json else ""), add_special_tokens=False)
+    bitmask = allocate_bitmask(1, VOCAB)
+    for lead in (b"\xed", b"\xe0", b"\xf4"):
+        m = compiled.new_matcher()
+        assert m.accept_tokens(start)
+        if not m.accept_tokens([byte_token[lead]]):
+            continue
+        m.fill_bitmask(bitmask, 0)
+        allowed = [t for t in allowed_token_ids(bitmask, 0, VOCAB) if vocab.token_bytes[t]]
+        assert allowed, lead
+        assert all(_utf8_prefix_ok(lead + vocab.token_bytes[t]) for t in allowed), lead
+        assert not m.accept_tokens([byte_token[{b"\xed": b"\xa0", b"\xe0": b"\x80",
+                                                 b"\xf4": b"\x90"}[lead]]])
+    high = [t for b, t in byte_token.items() if b[0] >= 0x80]
+    rng = random.Random(str(params.regex or params.json))
+    for _ in range(20):
+        m, out = compiled.new_matcher(), list(start)
+        assert m.accept_tokens(start)
+        for step in range(24):
+            m.fill_bitmask(bitmask, 0)
+            allowed = set(allowed_token_ids(bitmask, 0, VOCAB))
+            if vocab.eos_token_id in allowed and (step > 12 or len(allowed) == 1):
+                break
+            pick = [t for t in high if t in allowed] if rng.random() < 0.8 else []
+            tid = rng.choice(pick or sorted(allowed - {vocab.eos_token_id}))
+            assert m.accept_tokens([tid])
+            out.append(tid)
+        else:
+            continue
+        text = b"".join(vocab.token_bytes[t] for t in out).decode()    # strict: well-formed
+        if params.regex:
+            assert re.fullmatch(params.regex, text), text
+        else:
+            assert jsonschema.Draft202012Validator(params.json).is_valid(json.loads(text)), text
