@@ -270,6 +270,10 @@ def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     if untyped:
         out.append(("properties", f"property {untyped[0]!r} admits any value; outlines-core's "
                                   "regex for that is malformed (a bare value passes at the root)"))
+    escaped = [k for k in props if any(c in '"\\' or ord(c) < 0x20 for c in k)]
+    if escaped:
+        out.append(("properties", f"property name {escaped[0]!r} needs JSON escapes, which "
+                                  "outlines-core writes raw (not JSON)"))
     fmt = node.get("format")
     if isinstance(fmt, str) and fmt not in OUTLINES_FORMATS:
         out.append(("format", f"format {fmt!r} is not supported (outlines-core enforces "

@@ -430,3 +430,23 @@ def test_xgrammar_output_is_well_formed_utf8(params, compile_for, tokenizer, voc
             assert re.fullmatch(params.regex, text), text
         else:
             assert jsonschema.Draft202012Validator(params.json).is_valid(json.loads(text)), text
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar", "outlines"])
+def test_property_names_that_need_escapes(backend, compile_for, tokenizer, vocab):
+    """A property literally named '^\\w+$' (a held-out schema's): outlines-core wrote the
+    backslash raw, so the output was not JSON; it now refuses naming `properties`.
+    The others escape such names: every walk output is JSON and validates."""
+    schema = {"type": "object", "properties": {"^\\w+$": {"type": "integer"},
+                                               'say "hi"': {"type": "boolean"}},
+              "required": ["^\\w+$", 'say "hi"'], "additionalProperties": False}
+    params = P(json=schema, whitespace="compact", backend=backend)
+    if backend == "outlines":
+        with pytest.raises(UnsupportedSchemaError, match="properties"):
+            compile_for(params)
+        return
+    _, compiled = compile_for(params)
+    outputs = list(_walk_outputs(compiled, vocab, random.Random(backend)))
+    assert outputs
+    for text in outputs:
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
