@@ -33,6 +33,7 @@ from typing import Any
 
 from formwork.grammar.pattern_prefix import patterns_disjoint
 from formwork.grammar.regex_safety import ecma_ascii_classes, pattern_is_json_safe
+from formwork.grammar.schema_formats import NARROWER_FORMAT
 from formwork.grammar.schema_lengths import MAX_FOLDED_COUNT, is_plain_length_pattern
 from formwork.grammar.schema_oneof import (
     branches_imply_type,
@@ -78,9 +79,8 @@ XGRAMMAR_LOOSE_FORMATS = {
     "iri": "any string", "iri-reference": "any string", "idn-email": "any string",
     "idn-hostname": "any string", "regex": "any string"}
 # A defined format xgrammar lacks -> one it enforces whose language is contained in it
-# (an absolute URI is an IRI, a URI-reference an IRI-reference, an ASCII address an
-# internationalized one).
-XGRAMMAR_NARROWER_FORMAT = {"iri": "uri", "iri-reference": "uri-reference", "idn-email": "email"}
+# (as for llguidance; and a URI-reference is an IRI-reference).
+XGRAMMAR_NARROWER_FORMAT = NARROWER_FORMAT | {"iri-reference": "uri-reference"}
 Issues = list[tuple[str, str]]
 
 

@@ -90,7 +90,7 @@ class Utf8Guard:
         # token bits as the bitmask's int32 words (bit i of word w = token 32w + i)
         bits = allowed.view(len(_STATES), words, 32).to(torch.int64)
         packed = (bits << torch.arange(32, dtype=torch.int64)).sum(-1)
-        self.rows = packed.to(torch.int64).where(packed < 2**31, packed - 2**32).to(torch.int32)
+        self.rows = packed.where(packed < 2**31, packed - 2**32).to(torch.int32)
         self.state0_refuses = not bool(allowed[0, :n].all())
 
     def step(self, state: int, token_ids: Sequence[int]) -> int:
