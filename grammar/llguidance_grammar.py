@@ -22,7 +22,7 @@ import jsonschema
 import llguidance as llg
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from formwork.grammar.regex_safety import escape_literal
+from formwork.grammar.regex_safety import ecma_ascii_classes, escape_literal
 from formwork.grammar.schema_check import (
     SchemaIssue,
     UnsupportedSchemaError,
@@ -240,7 +240,10 @@ def _checked_grammar(params: StructuredOutputsParams) -> str:
     if kind == "json_object":
         return _json_grammar({"type": "object"}, params)
     if kind == "regex":
-        grammar = llg.LLMatcher.grammar_from_regex(spec)
+        # \d \w \D \W as ASCII, as xgrammar (which `auto` picks for most regexes) and
+        # JSON Schema patterns read them; Rust's are Unicode-aware ('１２' for \d+).
+        # A negated class inside brackets cannot be spelled out and stays Unicode.
+        grammar = llg.LLMatcher.grammar_from_regex(ecma_ascii_classes(spec) or spec)
     elif kind == "choice":
         grammar = llg.LLMatcher.grammar_from_regex("|".join(f"({escape_literal(c)})" for c in spec))
     elif kind == "structural_tag":

@@ -450,3 +450,20 @@ def test_property_names_that_need_escapes(backend, compile_for, tokenizer, vocab
     assert outputs
     for text in outputs:
         assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
+@pytest.mark.parametrize("params,texts", [
+    (P(regex="\\d+-\\w+", backend="llguidance"), {"12-ab_9": True, "１２-ab": False, "12-é": False}),
+    (P(regex="\\p{L}+\\d"), {"é1": True, "é１": False}),
+    (P(regex="\\d+-\\w+", backend="xgrammar"), {"12-ab_9": True, "１２-ab": False, "12-é": False}),
+])
+def test_regex_classes_are_ascii_on_every_backend(params, texts, compile_for, tokenizer, vocab):
+    """llguidance's regex \\d / \\w are Unicode-aware (Rust): walks wrote '൮5𞥖' for \\d{4};
+    xgrammar (what `auto` picks for most regexes) and JSON Schema read them as ASCII."""
+    name, compiled = compile_for(params)
+    assert name == (params.backend if params.backend != "auto" else "llguidance")
+    for text, expected in texts.items():
+        m = compiled.new_matcher()
+        got = m.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) \
+            and m.accept_tokens([vocab.eos_token_id]) and m.is_terminated()
+        assert got == expected, text
