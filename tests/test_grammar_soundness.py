@@ -456,10 +456,12 @@ def test_property_names_that_need_escapes(backend, compile_for, tokenizer, vocab
     (P(regex="\\d+-\\w+", backend="llguidance"), {"12-ab_9": True, "１２-ab": False, "12-é": False}),
     (P(regex="\\p{L}+\\d"), {"é1": True, "é１": False}),
     (P(regex="\\d+-\\w+", backend="xgrammar"), {"12-ab_9": True, "１２-ab": False, "12-é": False}),
+    (P(regex="\\d+-\\w+", backend="outlines"), {"12-ab_9": True, "１２-ab": False, "12-é": False}),
 ])
 def test_regex_classes_are_ascii_on_every_backend(params, texts, compile_for, tokenizer, vocab):
-    """llguidance's regex \\d / \\w are Unicode-aware (Rust): walks wrote '൮5𞥖' for \\d{4};
-    xgrammar (what `auto` picks for most regexes) and JSON Schema read them as ASCII."""
+    """llguidance's and outlines-core's regex \\d / \\w are Unicode-aware (Rust): walks
+    wrote '൮5𞥖' for \\d{4}; xgrammar (what `auto` picks for most regexes) and JSON Schema
+    read them as ASCII."""
     name, compiled = compile_for(params)
     assert name == (params.backend if params.backend != "auto" else "llguidance")
     for text, expected in texts.items():
