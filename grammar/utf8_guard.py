@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from formwork.grammar.vocab import TokenVocab
@@ -72,7 +73,9 @@ class Utf8Guard:
     def __init__(self, vocab: TokenVocab):
         n = vocab.vocab_size
         words = (n + 31) // 32
-        allowed = torch.zeros((len(_STATES), words * 32), dtype=torch.bool)
+        # numpy, not torch: ops this big on the engine thread would open an OpenMP
+        # region there (see `allocate_bitmask`)
+        allowed = np.zeros((len(_STATES), words * 32), dtype=bool)
         self.next: list[dict[int, int]] = [{} for _ in _STATES]   # non-ASCII tokens only
         ascii_ids = []
         for tid, data in enumerate(vocab.token_bytes[:n]):
@@ -87,10 +90,8 @@ class Utf8Guard:
                 self.next[s][tid] = end
                 allowed[s, tid] = end != INVALID
         allowed[0, ascii_ids] = True            # ASCII only between characters
-        # token bits as the bitmask's int32 words (bit i of word w = token 32w + i)
-        bits = allowed.view(len(_STATES), words, 32).to(torch.int64)
-        packed = (bits << torch.arange(32, dtype=torch.int64)).sum(-1)
-        self.rows = packed.where(packed < 2**31, packed - 2**32).to(torch.int32)
+        # token bits as the bitmask's little-endian int32 words (as `allowed_mask` reads them)
+        self.rows = torch.from_numpy(np.packbits(allowed, axis=1, bitorder="little").view(np.int32))
         self.state0_refuses = not bool(allowed[0, :n].all())
 
     def step(self, state: int, token_ids: Sequence[int]) -> int:
