@@ -113,6 +113,34 @@ def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
         _closed(schema, params), defaults=json_options(params), overrides=_SOUND)
 
 
+def _widened(node: dict) -> dict:
+    """`node` without what `_closed` narrows (its `format`; a lower bound under
+    LOWEST_BOUND, which `_closed` raises): every instance `node` admits passes."""
+    drop = {"format"} | {kw for kw in ("minimum", "exclusiveMinimum")
+                         if isinstance(node.get(kw), (int, float))
+                         and not isinstance(node.get(kw), bool) and node[kw] < LOWEST_BOUND}
+    return {k: v for k, v in node.items() if k not in drop} if drop & node.keys() else node
+
+
+def _one_of_error(schema: Any, params: StructuredOutputsParams) -> str:
+    """'' if every oneOf of `schema` keeps its meaning once objects are closed.
+
+    llguidance serves a oneOf whose branches it proves disjoint, and it proves that
+    on the schema it is given: with `additional_properties="declared"` objects are
+    closed first, and two branches closed to different names look disjoint where
+    the schema's own branches overlap (`oneOf: [{required: [a]}, {properties:
+    {b: ...}}]`: `{"a": "x"}` passes both, so it is invalid, yet the first branch,
+    closed, generates it). So the proof is asked of the schema as written (objects
+    open; formats and the int64 floor dropped, which widens it), and its verdict
+    holds for the closed one, which generates a subset of each branch."""
+    if params.additional_properties != "declared" or not isinstance(schema, dict) \
+            or '"oneOf"' not in json.dumps(schema):
+        return ""
+    widened = drop_legacy_ref_siblings(map_subschemas(schema, _widened))
+    return _grammar_error(llg.LLMatcher.grammar_from_json_schema(
+        widened, defaults=json_options(params), overrides=_SOUND))
+
+
 def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, str]:
     """(schema, grammar): `schema` or formwork's equivalent rewrite of it (allOf
     merged, provably disjoint oneOf as anyOf, ...) when llguidance refuses the
@@ -122,14 +150,14 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
         raise UnsupportedSchemaError([SchemaIssue("false", "$", "the schema admits no value")],
                                      "llguidance")
     grammar = _json_grammar(schema, params)
-    error = _grammar_error(grammar)
+    error = _grammar_error(grammar) or _one_of_error(schema, params)
     if not error:
         return schema, grammar
     normalized = normalize(schema, exact_false=True)
-    for rewritten in (normalized, _disjoint_one_of_as_any_of(_state_types(normalized))):
+    for rewritten in (normalized, _disjoint_one_of_as_any_of(_state_types(normalized), params)):
         if rewritten is not schema and isinstance(rewritten, dict):
             grammar = _json_grammar(rewritten, params)
-            if not _grammar_error(grammar):
+            if not _grammar_error(grammar) and not _one_of_error(rewritten, params):
                 return rewritten, grammar
     raise _schema_error(schema, error)
 
@@ -189,26 +217,35 @@ def state_inferred_type(node: dict) -> dict:
         and len(types) == 1 else node
 
 
-def _disjoint_one_of_as_any_of(root: Any) -> Any:
+def _disjoint_one_of_as_any_of(root: Any, params: StructuredOutputsParams) -> Any:
     """`root` with each oneOf whose branches formwork proves pairwise disjoint
-    spelled anyOf (the same language); llguidance proves fewer of them itself."""
+    spelled anyOf (the same language); llguidance proves fewer of them itself.
+    What each branch generates (objects closed, by default) is judged against the
+    other branches as written."""
     if not isinstance(root, dict):
         return root
+    root = drop_legacy_ref_siblings(root)      # exact; `_closed` drops them too
+    gen_root = close_declared_objects(root) if params.additional_properties == "declared" \
+        else root
     validator = validator_class(root)(root)
 
-    def rewrite(node: Any) -> Any:
+    def rewrite(node: Any, gen: Any) -> Any:
         """Every object of the document, not only the subschemas map_subschemas
-        knows: a `$ref` may point anywhere (`#/onvif/ptz/SpaceSelector`)."""
+        knows: a `$ref` may point anywhere (`#/onvif/ptz/SpaceSelector`). `gen`:
+        the same place in `gen_root` (None where the two differ)."""
         if isinstance(node, list):
-            return [rewrite(v) for v in node]
+            gens = gen if isinstance(gen, list) and len(gen) == len(node) else [None] * len(node)
+            return [rewrite(v, g) for v, g in zip(node, gens)]
         if not isinstance(node, dict):
             return node
-        node = {k: v if k in _VALUES else rewrite(v) for k, v in node.items()}
-        if isinstance(node.get("oneOf"), list) and "anyOf" not in node and \
-                pairwise_disjoint(node["oneOf"], root, validator):
+        gen = gen if isinstance(gen, dict) else {}
+        one_of = node.get("oneOf")
+        node = {k: v if k in _VALUES else rewrite(v, gen.get(k)) for k, v in node.items()}
+        if isinstance(one_of, list) and "anyOf" not in node and \
+                pairwise_disjoint(one_of, root, validator, gen.get("oneOf"), gen_root):
             node = {("anyOf" if k == "oneOf" else k): v for k, v in node.items()}
         return node
-    return rewrite(root)
+    return rewrite(root, gen_root)
 
 
 # Grammars already checked: `auto` checks a constraint, then the compile pool

@@ -88,16 +88,19 @@ class _Proof:
     root: Any
     validator: Any     # jsonschema validator over `root` (resolves its local refs)
     steps: int = _MAX_STEPS
+    gen_root: Any = None   # the document the generated side `g` lives in (default: root)
 
-    def deref(self, node: Any) -> Any:
-        """`node` with a chain of local `$ref`s followed; True/False/dict, or None
-        if a ref does not resolve. gen(node) and valid(node) lie inside the target's."""
+    def deref(self, node: Any, root: Any = None) -> Any:
+        """`node` with a chain of local `$ref`s followed in `root` (default: the
+        schema's); True/False/dict, or None if a ref does not resolve. gen(node) and
+        valid(node) lie inside the target's."""
+        root = self.root if root is None else root
         for _ in range(16):
             if node is True:
                 return {}
             if not isinstance(node, dict) or not isinstance(node.get("$ref"), str):
                 return node if isinstance(node, (dict, bool)) else None
-            target = resolve_local_ref(self.root, node["$ref"])
+            target = resolve_local_ref(root, node["$ref"])
             if target is None:
                 return None
             node = target[0]
@@ -121,7 +124,7 @@ class _Proof:
             if isinstance(g.get(kw), list) and depth < _MAX_DEPTH and self.steps > 0:
                 out: set[str] = set()
                 for b in g[kw]:
-                    b = self.deref(b)
+                    b = self.deref(b, self.gen_root)
                     t = set() if b is False else None if b is None else self.gen_types(b, depth + 1)
                     if t is None:
                         return None
@@ -139,7 +142,7 @@ class _Proof:
 
     def excludes(self, g: Any, v: Any, depth: int = 0) -> bool:
         """True only if no instance xgrammar generates for `g` is valid against `v`."""
-        g, v = self.deref(g), self.deref(v)
+        g, v = self.deref(g, self.gen_root), self.deref(v)
         if g is False or v is False:
             return True
         if g is None or v is None or depth > _MAX_DEPTH or self.steps <= 0:
@@ -230,13 +233,22 @@ def _patterns_exclude(g: dict, v: dict) -> bool:
     return patterns_disjoint(g.get("pattern"), v.get("pattern"))
 
 
-def pairwise_disjoint(branches: Any, root: Any, validator: Any) -> bool:
-    """Every two branches of a oneOf provably exclude each other, both ways."""
+def pairwise_disjoint(branches: Any, root: Any, validator: Any,
+                      generated: Any = None, gen_root: Any = None) -> bool:
+    """Every two branches of a oneOf provably exclude each other, both ways.
+
+    `generated` (with `gen_root`, the document it lives in): the same branches as
+    the backend generates them, e.g. with objects closed to their declared names;
+    then what each generates is judged against the others as written, which proves
+    more (`oneOf: [{required: [a]}, {required: [b]}]` overlaps as written, yet a
+    first branch closed to `a` never writes `b`)."""
     if not isinstance(branches, list):
         return False
-    proof = _Proof(root, validator)
-    return all(proof.excludes(a, b) and proof.excludes(b, a)
-               for i, a in enumerate(branches) for b in branches[i + 1:])
+    if not (isinstance(generated, list) and len(generated) == len(branches)):
+        generated, gen_root = branches, None
+    proof = _Proof(root, validator, gen_root=gen_root)
+    return all(proof.excludes(generated[i], branches[j]) and proof.excludes(generated[j], branches[i])
+               for i in range(len(branches)) for j in range(i + 1, len(branches)))
 
 
 def branches_imply_type(node: dict, kw: str, root: Any) -> bool:

@@ -344,6 +344,70 @@ def test_not_required_keeps_other_properties_for_llguidance(extra, compile_for, 
         assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
 
 
+# oneOf branches that are open objects: closing them (the declared default) makes
+# them look disjoint to llguidance, but the output is judged by the schema as written.
+OPEN_ONE_OF = [
+    # packer.json's provisioner: a branch requiring `a`, one that requires nothing
+    {"type": "object", "properties": {"kind": {"type": "string"}},
+     "oneOf": [{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+               {"type": "object", "properties": {"b": {"type": "integer"}}}]},
+    {"type": "object", "properties": {"p": {"oneOf": [
+        {"$ref": "#/$defs/x"}, {"type": "object", "properties": {"y": {"type": "boolean"}}}]}},
+     "$defs": {"x": {"type": "object", "properties": {"x": {"format": "date"}}, "required": ["x"]}}},
+]
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance"])
+@pytest.mark.parametrize("schema", OPEN_ONE_OF)
+def test_one_of_of_open_objects_is_not_proved_disjoint_by_closing_them(schema, backend):
+    """Each of these has instances that pass two branches (`{"a": "x"}` passes the
+    open second branch too), so a branch's closed form generates invalid output."""
+    with pytest.raises(UnsupportedSchemaError) as info:
+        choose_backend(P(json=schema, backend=backend))
+    assert info.value.issues[0].keyword == "oneOf", str(info.value)
+
+
+def test_one_of_disjoint_once_closed_is_served_closed(compile_for, tokenizer, vocab):
+    """`{"a": 1, "b": 1}` passes both branches as written (invalid), but a branch
+    closed to `a` never writes the `b` the other requires: served by default (what
+    each branch generates is judged against the others as written), refused where
+    objects stay open."""
+    schema = {"oneOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {'{"a":1}': True, '{"b":2}': True,
+                                               '{"a":1,"b":2}': False, '{}': False})
+    for text in _walk_outputs(compiled, vocab, random.Random(0)):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+    with pytest.raises(UnsupportedSchemaError) as info:
+        choose_backend(P(json=schema, additional_properties="schema"))
+    assert info.value.issues[0].keyword == "oneOf", str(info.value)
+
+
+@pytest.mark.parametrize("extra", ["declared", "schema"])
+def test_one_of_disjoint_as_written_is_still_served_closed(extra, compile_for, tokenizer, vocab):
+    """Branches told apart by a required discriminator stay disjoint whatever else
+    an object holds: llguidance serves them, closed by default."""
+    schema = {"type": "object", "oneOf": [
+        {"properties": {"k": {"const": "a"}, "n": {"type": "integer", "format": "int32"}},
+         "required": ["k"]},
+        {"properties": {"k": {"const": "b"}, "s": {"type": "string", "format": "date"}},
+         "required": ["k"]}]}
+    name, compiled = compile_for(P(json=schema, whitespace="compact", additional_properties=extra))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {
+        '{"k":"a","n":1}': True, '{"k":"b","s":"2024-01-02"}': True, '{"k":"c"}': False,
+        '{"k":"a","n":"1"}': False})
+    judge(compiled, tokenizer, vocab, schema, {'{"k":"a","s":"x"}': True} if extra == "schema"
+          else {})
+    if extra == "declared":
+        assert not accepts(compiled, tokenizer, vocab, '{"k":"a","s":"x"}')
+    for text in _walk_outputs(compiled, vocab, random.Random(extra)):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
 @pytest.mark.parametrize("fmt,served", [("iri", "uri"), ("iri-reference", "uri-reference"),
                                         ("idn-email", "email")])
 def test_xgrammar_formats_it_lacks_are_served_narrower(fmt, served, compile_for, tokenizer, vocab):
