@@ -22,13 +22,15 @@ import jsonschema
 import llguidance as llg
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from formwork.grammar.regex_safety import ecma_ascii_classes, escape_literal
+from formwork.grammar.regex_classes import portable_classes
+from formwork.grammar.regex_safety import escape_literal
 from formwork.grammar.schema_check import (
     SchemaIssue,
     UnsupportedSchemaError,
     check_metaschema,
     locate_keyword,
     native_schema_error,
+    portable_pattern,
 )
 from formwork.grammar.schema_formats import backend_format, exact_dates, raise_lowest_bound
 from formwork.grammar.schema_normalize import map_subschemas, normalize
@@ -97,11 +99,12 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
 
 def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
     """`schema` as generated: objects closed to their declared properties by default,
-    formats as llguidance serves them (`backend_format`)."""
+    formats as llguidance serves them (`backend_format`), pattern classes as both
+    ECMA-262 and Python's `re` read them (regex_classes.py)."""
     if isinstance(schema, dict):
         draft3 = validator_class(schema) is jsonschema.Draft3Validator
-        schema = map_subschemas(schema, lambda n: raise_lowest_bound(
-            exact_dates(backend_format(n, FORMATS, draft3), draft3), LOWEST_BOUND))
+        schema = map_subschemas(schema, lambda n: portable_pattern(raise_lowest_bound(
+            exact_dates(backend_format(n, FORMATS, draft3), draft3), LOWEST_BOUND)))
     schema = drop_legacy_ref_siblings(schema)
     if params.additional_properties == "declared":
         schema = close_declared_objects(schema)
@@ -115,11 +118,13 @@ def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
 
 def _widened(node: dict) -> dict:
     """`node` without what `_closed` narrows (its `format`; a lower bound under
-    LOWEST_BOUND, which `_closed` raises): every instance `node` admits passes."""
+    LOWEST_BOUND, which `_closed` raises) and its `pattern`'s classes read as widely
+    as either ECMA-262 or Python does: every instance `node` admits passes."""
     drop = {"format"} | {kw for kw in ("minimum", "exclusiveMinimum")
                          if isinstance(node.get(kw), (int, float))
                          and not isinstance(node.get(kw), bool) and node[kw] < LOWEST_BOUND}
-    return {k: v for k, v in node.items() if k not in drop} if drop & node.keys() else node
+    node = {k: v for k, v in node.items() if k not in drop} if drop & node.keys() else node
+    return portable_pattern(node, either=True)
 
 
 def _one_of_error(schema: Any, params: StructuredOutputsParams) -> str:
@@ -277,10 +282,9 @@ def _checked_grammar(params: StructuredOutputsParams) -> str:
     if kind == "json_object":
         return _json_grammar({"type": "object"}, params)
     if kind == "regex":
-        # \d \w \D \W as ASCII, as xgrammar (which `auto` picks for most regexes) and
-        # JSON Schema patterns read them; Rust's are Unicode-aware ('１２' for \d+).
-        # A negated class inside brackets cannot be spelled out and stays Unicode.
-        grammar = llg.LLMatcher.grammar_from_regex(ecma_ascii_classes(spec) or spec)
+        # \d \s \W ... and `.` as both ECMA-262 and Python's `re` read them (Rust's
+        # are Unicode-aware: '１２' for \d+): regex_classes.py
+        grammar = llg.LLMatcher.grammar_from_regex(portable_classes(spec))
     elif kind == "choice":
         grammar = llg.LLMatcher.grammar_from_regex("|".join(f"({escape_literal(c)})" for c in spec))
     elif kind == "structural_tag":

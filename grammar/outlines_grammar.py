@@ -8,7 +8,8 @@ import json
 import outlines_core as oc
 
 from formwork.grammar.outlines_worker import build_index, build_json_regex
-from formwork.grammar.regex_safety import ecma_ascii_classes, escape_literal
+from formwork.grammar.regex_classes import portable_classes
+from formwork.grammar.regex_safety import escape_literal
 from formwork.grammar.schema_check import check_schema, native_schema_error
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -51,8 +52,8 @@ def to_regex(params: StructuredOutputsParams) -> str:
         raise ValueError("the outlines backend cannot enforce json_object (arbitrary JSON "
                          "compiles too slowly); use backend='auto'")
     if kind == "regex":
-        # \d \w as ASCII, as on the other backends (outlines-core's are Unicode-aware)
-        regex = ecma_ascii_classes(spec) or spec
+        # classes as on the other backends (outlines-core's are Unicode-aware)
+        regex = portable_classes(spec)
         _check_regex_syntax(regex)
         return regex
     if kind == "choice":

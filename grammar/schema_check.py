@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 import jsonschema_rs
 
-from formwork.grammar.regex_safety import ecma_ascii_classes
+from formwork.grammar.regex_classes import portable_classes
 from formwork.grammar.schema_rewrites import (
     drop_implied_lengths,
     drop_inapplicable,
@@ -202,15 +202,17 @@ def _backend_view(schema: Any, backend: str) -> Any:
     lengths become a pattern it enforces without admitting control characters.
     outlines: keywords of types the node's `type` excludes are dropped (it would
     build an object regex for `type: array` next to `properties`), and patterns
-    get JSON Schema's ASCII \\d and \\w."""
+    get the classes both JSON Schema (ECMA-262) and Python's `re` read in them
+    (regex_classes.py)."""
     if backend == "xgrammar":
         return map_subschemas(schema, lambda node: lengths_as_plain_pattern(
             drop_implied_lengths(node, XGRAMMAR_FORMAT_LENGTHS)))
-    return map_subschemas(schema, lambda node: _ascii_pattern(drop_inapplicable(node)))
+    return map_subschemas(schema, lambda node: portable_pattern(drop_inapplicable(node)))
 
 
-def _ascii_pattern(node: dict) -> dict:
+def portable_pattern(node: dict, either: bool = False) -> dict:
+    """`node` with its `pattern`'s classes spelled out (`portable_classes`)."""
     pattern = node.get("pattern")
     if not isinstance(pattern, str):
         return node
-    return node | {"pattern": ecma_ascii_classes(pattern)}
+    return node | {"pattern": portable_classes(pattern, either)}

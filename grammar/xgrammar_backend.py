@@ -15,6 +15,7 @@ import xgrammar as xgr
 
 from formwork.grammar.backend import CompiledGrammar, GrammarBackend, Matcher, set_only_tokens
 from formwork.grammar.native_log import call_capturing_warnings
+from formwork.grammar.regex_classes import portable_classes
 from formwork.grammar.schema_check import (
     SchemaIssue,
     UnsupportedSchemaError,
@@ -98,7 +99,8 @@ def to_xgrammar(params: StructuredOutputsParams) -> xgr.Grammar:
         return _convert("JSON Schema", lambda: xgr.Grammar.from_json_schema(
             '{"type": "object"}', strict_mode=False, **json_schema_options(params)))
     if kind == "regex":
-        return _convert("regex", lambda: xgr.Grammar.from_regex(spec))
+        # its \s takes U+FEFF and its \S, \D, \W what Python's `re` refuses: regex_classes.py
+        return _convert("regex", lambda: xgr.Grammar.from_regex(portable_classes(spec)))
     if kind == "choice":
         return _convert("choice", lambda: xgr.Grammar.from_ebnf(choice_ebnf(spec)))
     if kind == "grammar":

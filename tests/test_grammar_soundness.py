@@ -533,3 +533,38 @@ def test_regex_classes_are_ascii_on_every_backend(params, texts, compile_for, to
         got = m.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) \
             and m.accept_tokens([vocab.eos_token_id]) and m.is_terminated()
         assert got == expected, text
+
+
+# Characters where the readings of a class differ: Python's `re` (what jsonschema
+# checks `pattern` with) calls ١ and ٣ digits, é and ² word characters, \x1c and \x85
+# spaces and U+FEFF not one; ECMA-262 (JSON Schema's regex dialect) the opposite.
+DISPUTED = ["1", "\u0661", "\u00b2", "a", "\u00e9", "_", " ", "\x1c", "\x85", "\u00a0",
+            "\ufeff", "\u2028", "\r", "-"]
+CLASS_FORMS = ["\\d", "\\D", "\\w", "\\W", "\\s", "\\S", "[\\d]", "[^\\d]", "[\\W]", "[^\\w]",
+               "[\\s]", "[^\\s]", "[\\S]", "[^\\S]", "."]
+
+
+@pytest.mark.parametrize("backend,kind", [("xgrammar", "regex"), ("llguidance", "regex"),
+                                          ("outlines", "regex"), ("llguidance", "json"),
+                                          ("outlines", "json")])
+def test_a_class_generates_only_what_python_and_ecma_both_match(backend, kind, compile_for,
+                                                                tokenizer, vocab):
+    """Before, every backend's \\D took '١' (Python: a digit), \\S and \\W '\\x1c' (Python:
+    a space) and xgrammar's \\s U+FEFF (Python: not a space): a walk could write a
+    string jsonschema's `pattern` check refuses. Now a character is accepted for a
+    class only where Python's `re` matches it too."""
+    checked = 0
+    for form in CLASS_FORMS:
+        params = P(regex=f"a{form}b", backend=backend) if kind == "regex" else \
+            P(json={"type": "string", "pattern": f"^a{form}b$"}, backend=backend)
+        try:
+            _, compiled = compile_for(params)
+        except UnsupportedSchemaError:
+            assert backend == "outlines" and kind == "json"    # its unsafe-pattern refusal
+            continue
+        checked += 1
+        for ch in DISPUTED:
+            text = f"a{ch}b" if kind == "regex" else json.dumps(f"a{ch}b", ensure_ascii=False)
+            if accepts(compiled, tokenizer, vocab, text):
+                assert re.fullmatch(form, ch), (form, ch)
+    assert checked >= (2 if kind == "json" and backend == "outlines" else len(CLASS_FORMS))

@@ -1,0 +1,160 @@
+"""Regex classes spelled out so that what a backend generates matches under every
+reading a user's check may take.
+
+A JSON Schema `pattern` is ECMA-262 (\\d = [0-9], \\s = its WhiteSpace and
+LineTerminator list, `.` = not a line terminator); Python's `re`, which
+`jsonschema` validates with, reads \\d \\w \\s as Unicode classes (١ is a digit,
+\\x1c and \\x85 are spaces, U+FEFF is not); the backends read them their own way
+(Rust regex in llguidance and outlines-core, xgrammar's converter), and for a
+negated class each of those readings lets through something another refuses
+(measured: \\D gave '١' on all three, \\S gave '\\x1c', xgrammar's \\s U+FEFF).
+
+`portable_classes(pattern)` rewrites every \\d \\w \\s \\D \\W \\S and `.` as an
+explicit class of the characters that *both* ECMA-262 and Python's `re` put in it,
+so whatever a backend generates passes either check: \\d is [0-9], \\s the
+whitespace both agree on, \\S and \\D and \\W exclude what either reading counts
+as space, digit or word character, `.` excludes ECMA's line terminators. Inside a
+bracket expression a class adds its characters the same way ([^\\s] then excludes
+every space either reading knows). Python's sets are read from `re` itself, once.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+_MAX = 0x10FFFF
+_SURROGATES = (0xD800, 0xDFFF)
+Ranges = tuple[tuple[int, int], ...]          # sorted, disjoint, inclusive
+
+_ECMA = {
+    "d": ((0x30, 0x39),),
+    "w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)),
+    "s": ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+          (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
+          (0xFEFF, 0xFEFF)),
+}
+# `.` in ECMA-262 excludes its line terminators; Python's excludes "\n" only.
+_ECMA_LINE_TERMINATORS: Ranges = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
+
+
+@functools.lru_cache(maxsize=None)
+def _python(letter: str) -> Ranges:
+    """The code points Python's `re` puts in \\d, \\w or \\s (str patterns)."""
+    text = "".join(map(chr, range(_SURROGATES[0]))) + \
+        "".join(map(chr, range(_SURROGATES[1] + 1, _MAX + 1)))
+    gap = _SURROGATES[1] - _SURROGATES[0] + 1
+
+    def cp(i: int) -> int:
+        return i if i < _SURROGATES[0] else i + gap
+    return tuple((cp(m.start()), cp(m.end() - 1)) for m in re.finditer(f"\\{letter}+", text))
+
+
+def _union(a: Ranges, b: Ranges) -> Ranges:
+    out: list[list[int]] = []
+    for lo, hi in sorted(a + b):
+        if out and lo <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return tuple((lo, hi) for lo, hi in out)
+
+
+def _complement(a: Ranges) -> Ranges:
+    out, start = [], 0
+    for lo, hi in _union(a, (_SURROGATES,)):
+        if lo > start:
+            out.append((start, lo - 1))
+        start = hi + 1
+    if start <= _MAX:
+        out.append((start, _MAX))
+    return tuple(out)
+
+
+def _intersect(a: Ranges, b: Ranges) -> Ranges:
+    return _complement(_union(_complement(a), _complement(b)))
+
+
+@functools.lru_cache(maxsize=None)
+def _members(letter: str, either: bool) -> Ranges:
+    """The characters in \\<letter> (a negated class when upper case) under both
+    readings (safe to generate for it), or under either one (`either`: what a
+    check may accept for it)."""
+    low = letter.lower()
+    py, ecma = _python(low), _ECMA[low]
+    wide = letter == low if either else letter != low
+    joined = _union(py, ecma) if wide else _intersect(py, ecma)
+    return joined if letter == low else _complement(joined)
+
+
+def _char(cp: int) -> str:
+    """One code point as every backend's class syntax reads it literally: ASCII
+    letters and digits as they are, other ASCII as \\uHHHH (Rust regex would read a
+    bare `-`, `&`, `~` or `[` as class syntax; xgrammar reads \\x5Fa as one hex
+    number), the rest as the character."""
+    if cp < 0x80:
+        ch = chr(cp)
+        return ch if ch.isalnum() else f"\\u{cp:04X}"
+    return chr(cp)
+
+
+def _items(ranges: Ranges) -> str:
+    return "".join(_char(lo) if lo == hi else f"{_char(lo)}-{_char(hi)}" for lo, hi in ranges)
+
+
+@functools.lru_cache(maxsize=None)
+def _outside(letter: str, either: bool) -> str:
+    """A class standing alone: \\d -> [0-9]; a negated one as [^...] of what it
+    excludes (shorter than listing what is left)."""
+    if letter == ".":
+        return "[^\\u000A]" if either else f"[^{_items(_ECMA_LINE_TERMINATORS)}]"
+    if letter.islower():
+        return f"[{_items(_members(letter, either))}]"
+    return f"[^{_items(_members(letter.lower(), not either))}]"
+
+
+@functools.lru_cache(maxsize=None)
+def _inside(letter: str, negated: bool, either: bool) -> str:
+    """The class's items inside a bracket expression; in [^...] they are excluded,
+    so there the other reading's set is the one that keeps the class's meaning."""
+    return _items(_members(letter, either != negated))
+
+
+def portable_classes(pattern: str, either: bool = False) -> str:
+    """`pattern` with \\d \\w \\s \\D \\W \\S and `.` spelled out (module doc): as
+    what both readings match, or (`either`) what either may match: the language a
+    check may accept, for proofs that must not assume the narrower one. Other
+    escapes and syntax are left as they are."""
+    out, i, cls_negated = [], 0, None          # None: outside a bracket expression
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            esc = pattern[i + 1]
+            if esc in "dwsDWS":
+                out.append(_outside(esc, either) if cls_negated is None
+                           else _inside(esc, cls_negated, either))
+                i += 2
+                if cls_negated is not None and pattern[i:i + 1] == "-" \
+                        and pattern[i + 1:i + 2] != "]":
+                    out.append("\\u002D")         # [\w-a]: a literal -, not a range now
+                    i += 1
+            else:
+                out.append(pattern[i:i + 2])
+                i += 2
+            continue
+        if cls_negated is None:
+            if ch == "[":
+                i += 1
+                cls_negated = pattern[i:i + 1] == "^"
+                out.append("[^" if cls_negated else "[")
+                i += cls_negated
+                if pattern[i:i + 1] == "]":        # a literal ] first in the class
+                    out.append("\\u005D")
+                    i += 1
+                continue
+            out.append(_outside(".", either) if ch == "." else ch)
+        else:
+            if ch == "]":
+                cls_negated = None
+            out.append(ch)
+        i += 1
+    return "".join(out)
