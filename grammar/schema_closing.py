@@ -60,8 +60,8 @@ def close_declared(node: dict, extra_names: frozenset[str] = frozenset()) -> dic
         props = {}                   # an intersected node that only requires names
     if not isinstance(props, dict) or any(k in node for k in _OPENERS):
         return node
-    names = props.keys() | extra_names
-    if not names:
+    names = _allowed_names(props) | extra_names
+    if not names:                    # nothing declared, or only forbidden names
         return node
     required = node.get("required") if isinstance(node.get("required"), list) else []
     if any(name not in names for name in required):
@@ -69,6 +69,13 @@ def close_declared(node: dict, extra_names: frozenset[str] = frozenset()) -> dic
     added = {n: {} for n in sorted(extra_names - props.keys())}
     return node | {"properties": props | added if added else props,
                    "additionalProperties": False}
+
+
+def _allowed_names(props: dict) -> set[str]:
+    """The names `properties` declares, less those it forbids (`name: false`, as
+    "property absent" is written for llguidance): an object whose only declared
+    names are forbidden ones declares nothing, and closing it would admit only {}."""
+    return {name for name, sub in props.items() if sub is not False}
 
 
 def _parts(node: dict, root: dict) -> list[Any]:
@@ -127,7 +134,9 @@ def close_declared_objects(schema: Any) -> Any:
                     names = None        # a part admits undeclared names: the node stays open
                     break
                 if isinstance(p.get("properties"), dict):
-                    names |= p["properties"].keys()
+                    names |= _allowed_names(p["properties"])
+                if isinstance(p.get("required"), list):     # a part may require a name
+                    names |= {n for n in p["required"] if isinstance(n, str)}   # it never declares
             extra[id(node)] = None if names is None else frozenset(names)
 
     def close(new: dict, original: dict) -> dict:

@@ -209,6 +209,35 @@ def test_close_declared_objects_unions_parts_and_leaves_them_open():
     assert INTERSECTED == before                                      # input not mutated
 
 
+def test_forbidden_names_declare_nothing_and_required_names_of_parts_count():
+    """`properties: {b: false}` (how "b is absent" reaches llguidance) declared only a
+    forbidden name, and closing admitted only {}; a part that requires a name it never
+    declares (a schema's typo) made the intersected node unsatisfiable once closed."""
+    forbidden = {"type": "object", "properties": {"b": False}}
+    assert close_declared_objects(forbidden) == forbidden
+    mixed = {"type": "object", "properties": {"a": {}, "b": False}}
+    assert close_declared_objects(mixed)["additionalProperties"] is False
+    typo = {"type": "object", "properties": {"g": {"type": "string"}},
+            "oneOf": [{"symbol": {"type": "string"}, "required": ["symbol"]},
+                      {"required": ["symbols"]}]}
+    out = close_declared_objects(typo)
+    assert out["additionalProperties"] is False
+    assert set(out["properties"]) == {"g", "symbol", "symbols"}
+
+
+def test_not_both_keeps_other_properties(compile_for, tokenizer, vocab):
+    """A held-out schema: `{type: object, not: {required: [body, bodyValue]}}` declares
+    nothing, so it is open; its "not both" became two branches each forbidding one
+    name, which closing turned into {} only (every valid instance refused)."""
+    schema = {"type": "object", "not": {"required": ["body", "bodyValue"]}}
+    _, compiled = compile_for(P(json=schema, whitespace="compact"))
+    validator = jsonschema.Draft202012Validator(schema)
+    for text, ok in {'{}': True, '{"id":"x"}': True, '{"body":1,"id":"x"}': True,
+                     '{"bodyValue":"v"}': True, '{"body":1,"bodyValue":2}': False}.items():
+        assert validator.is_valid(json.loads(text)) == ok, text
+        assert accepts(compiled, tokenizer, vocab, text) == ok, text
+
+
 LEGACY = {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/a",
           "properties": {"x": {"type": "integer"}},
           "definitions": {"a": {"type": "object", "properties": {"y": {"type": "string"}}}}}
