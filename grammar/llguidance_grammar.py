@@ -13,6 +13,7 @@ llguidance generates them too (the output language is the schema's).
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from collections import OrderedDict
@@ -32,7 +33,12 @@ from formwork.grammar.schema_check import (
     native_schema_error,
     portable_pattern,
 )
-from formwork.grammar.schema_formats import backend_format, exact_dates, raise_lowest_bound
+from formwork.grammar.schema_formats import (
+    backend_format,
+    exact_dates,
+    float_multiple_of,
+    raise_lowest_bound,
+)
 from formwork.grammar.schema_normalize import map_subschemas, normalize
 from formwork.grammar.schema_oneof import inferred_types, pairwise_disjoint
 from formwork.grammar.schema_closing import close_declared_objects, drop_legacy_ref_siblings
@@ -103,8 +109,9 @@ def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
     ECMA-262 and Python's `re` read them (regex_classes.py)."""
     if isinstance(schema, dict):
         draft3 = validator_class(schema) is jsonschema.Draft3Validator
-        schema = map_subschemas(schema, lambda n: portable_pattern(raise_lowest_bound(
-            exact_dates(backend_format(n, FORMATS, draft3), draft3), LOWEST_BOUND)))
+        schema = map_subschemas(schema, lambda n: _float_multiple(portable_pattern(
+            raise_lowest_bound(exact_dates(backend_format(n, FORMATS, draft3), draft3),
+                               LOWEST_BOUND))))
     schema = drop_legacy_ref_siblings(schema)
     if params.additional_properties == "declared":
         schema = close_declared_objects(schema)
@@ -114,6 +121,49 @@ def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
 def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
     return llg.LLMatcher.grammar_from_json_schema(
         _closed(schema, params), defaults=json_options(params), overrides=_SOUND)
+
+
+def _float_multiple(node: dict) -> dict:
+    """`float_multiple_of`; a node it cannot serve was refused by `_checked_schema`
+    (one that only a rewrite produced keeps its multipleOf)."""
+    narrowed = float_multiple_of(node)
+    return node if narrowed is None else narrowed
+
+
+def _refuse_float_multiples(schema: Any) -> None:
+    """A decimal multipleOf `float_multiple_of` cannot serve, or serves with integers
+    where the node's bounds hold none, is refused naming it."""
+    for sn in iter_nodes(schema):
+        narrowed = float_multiple_of(sn.schema)
+        m = sn.schema.get("multipleOf")
+        if narrowed is None:
+            why = "no decimal multiple of it can be relied on to divide exactly (not even " \
+                  "integers); use a power-of-two fraction (0.5, 0.25), one within 2^-54 of " \
+                  "its float (0.01, 0.1), or an integer"
+        elif narrowed is not sn.schema and not _integer_multiple_within(sn.schema, narrowed):
+            why = f"only integer multiples of {narrowed['multipleOf']} divide exactly, and " \
+                  "the bounds here hold none"
+        else:
+            continue
+        raise UnsupportedSchemaError([SchemaIssue(
+            "multipleOf", sn.path, f"multipleOf {m!r}: jsonschema checks it in binary "
+                                   f"floating point, where {why}")], "llguidance")
+
+
+def _integer_multiple_within(node: dict, narrowed: dict) -> bool:
+    step = narrowed["multipleOf"]
+    lo = hi = None
+    for kw, exclusive in (("minimum", False), ("exclusiveMinimum", True)):
+        v = node.get(kw)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            first = (math.floor(v / step) + 1) * step if exclusive else math.ceil(v / step) * step
+            lo = first if lo is None else max(lo, first)
+    for kw, exclusive in (("maximum", False), ("exclusiveMaximum", True)):
+        v = node.get(kw)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            last = (math.ceil(v / step) - 1) * step if exclusive else math.floor(v / step) * step
+            hi = last if hi is None else min(hi, last)
+    return lo is None or hi is None or lo <= hi
 
 
 def _widened(node: dict) -> dict:
@@ -154,6 +204,7 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
     if schema is False:
         raise UnsupportedSchemaError([SchemaIssue("false", "$", "the schema admits no value")],
                                      "llguidance")
+    _refuse_float_multiples(schema)
     grammar = _json_grammar(schema, params)
     error = _grammar_error(grammar) or _one_of_error(schema, params)
     if not error:

@@ -7,6 +7,7 @@ import codecs
 import json
 import random
 import re
+from fractions import Fraction
 
 import jsonschema
 import pytest
@@ -568,3 +569,60 @@ def test_a_class_generates_only_what_python_and_ecma_both_match(backend, kind, c
             if accepts(compiled, tokenizer, vocab, text):
                 assert re.fullmatch(form, ch), (form, ch)
     assert checked >= (2 if kind == "json" and backend == "outlines" else len(CLASS_FORMS))
+
+
+@pytest.mark.parametrize("m,texts", [
+    (0.01, {"20": True, "19.99": False, "0.07": False, "0": True, "-3": True}),
+    (0.1, {"3": True, "0.3": False, "0.7": False}),
+    (0.3, {"3": True, "6": True, "0.9": False, "1": False}),
+    (0.25, {"0.75": True, "1.25": True, "0.3": False}),
+    (1.5, {"4.5": True, "3": True, "2": False}),
+])
+def test_decimal_multiple_of_keeps_to_what_jsonschema_passes(m, texts, compile_for, tokenizer,
+                                                             vocab):
+    """jsonschema checks a float multipleOf in binary floating point: 19.99 / 0.01 is
+    1998.9999999999998, so a price the backend wrote (reading decimals) failed
+    validation. Texts accepted exactly when jsonschema passes them or, for 0.01-like
+    steps, when they are also integers; walks validate."""
+    schema = {"type": "number", "multipleOf": m}
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    for text, expected in texts.items():
+        assert accepts(compiled, tokenizer, vocab, text) == expected, text
+        if expected:
+            assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+    for text in _walk_outputs(compiled, vocab, random.Random(str(m))):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
+@pytest.mark.parametrize("schema,served", [
+    ({"type": "number", "multipleOf": 0.07}, False),      # integers fail too: 0.07 * 100 ...
+    ({"type": "number", "multipleOf": 0.01, "minimum": 0.5, "maximum": 0.99}, False),
+    ({"type": "number", "multipleOf": 0.01, "minimum": 0.5, "maximum": 1}, True),
+])
+def test_decimal_multiple_of_that_cannot_be_served_is_named(schema, served):
+    if served:
+        assert choose_backend(P(json=schema)) == "llguidance"
+        return
+    with pytest.raises(UnsupportedSchemaError) as info:
+        choose_backend(P(json=schema))
+    assert (info.value.issues[0].keyword, info.value.issues[0].path) == ("multipleOf", "$")
+
+
+@pytest.mark.parametrize("m", [0.01, 0.1, 0.05, 0.3, 0.001, 1e-06, 0.07, 0.7, 1e-05])
+def test_float_multiple_of_claim(m):
+    """Where float_multiple_of serves integers, jsonschema's own test passes every
+    integer multiple (200,000 checked); where it refuses, some integer fails."""
+    from formwork.grammar.schema_formats import float_multiple_of
+    narrowed = float_multiple_of({"type": "number", "multipleOf": m})
+
+    def passes(v):                          # jsonschema's multipleOf for a float step
+        return int(v / m) == v / m
+    if narrowed is None:
+        assert not all(passes(j) for j in range(1, 200_000))
+        return
+    step = narrowed["multipleOf"]
+    assert narrowed["type"] == "integer" and isinstance(step, int)
+    assert all(passes(j * step) for j in range(-100_000, 100_000))
+    decimal = Fraction(repr(m))                 # and the decimal multiples: some fail
+    assert not all(passes(float(k * decimal)) for k in range(1, 2000))
