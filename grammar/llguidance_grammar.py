@@ -89,6 +89,10 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
         keywords = json.loads(f"[{m.group(1)}]") or ["?"]
     elif m := _FORMAT.search(message):
         keywords = ["format"]
+    elif "regex parse error" in message and (culprit := _regex_culprit(schema)):
+        return UnsupportedSchemaError([SchemaIssue(
+            culprit[0], culprit[1], f"llguidance: {message.strip().splitlines()[-1]} in "
+                                    f"{culprit[2]!r}")], "llguidance")
     elif "oneOf" in message:
         keywords = ["oneOf"]
         message = "oneOf branches are not provably disjoint"
@@ -101,6 +105,22 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
     issues = [SchemaIssue(kw, locate_keyword(schema, kw), f"llguidance: {message.splitlines()[0]}")
               for kw in keywords]
     return UnsupportedSchemaError(issues, "llguidance")
+
+
+def _regex_culprit(schema: Any) -> tuple[str, str, str] | None:
+    """(keyword, path, regex) of the first `pattern` or `patternProperties` name that
+    llguidance cannot parse on its own (its message quotes the regex as rewritten)."""
+    for sn in iter_nodes(schema):
+        found = [("pattern", sn.path, sn.schema["pattern"])] \
+            if isinstance(sn.schema.get("pattern"), str) else []
+        if isinstance(sn.schema.get("patternProperties"), dict):
+            found += [("patternProperties", f"{sn.path}.patternProperties", name)
+                      for name in sn.schema["patternProperties"]]
+        for keyword, path, regex in found:
+            probe = {"type": "string", "pattern": portable_classes(regex)}
+            if _grammar_error(llg.LLMatcher.grammar_from_json_schema(probe)):
+                return keyword, path, regex
+    return None
 
 
 def _closed(schema: Any, params: StructuredOutputsParams) -> Any:

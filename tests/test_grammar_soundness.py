@@ -142,6 +142,13 @@ def test_xgrammar_plain_length_pattern_is_exact(compile_for, tokenizer, vocab):
      "llguidance", "format", "$.properties.s"),
     ({"type": "object", "properties": {"out": {}}, "required": ["out"]},
      "outlines", "properties", "$"),
+    # ansible-lint's vars.json: a look-ahead in a patternProperties name, not the
+    # `pattern` that comes first
+    ({"anyOf": [{"type": "object", "additionalProperties": False,
+                 "patternProperties": {"^(?!(and|or)$)[a-z]+$": {}}},
+                {"type": "string", "pattern": "^\\$VAULT;"}]},
+     "llguidance", "patternProperties", "$.anyOf[0].patternProperties"),
+    ({"type": "string", "pattern": "^(?=a)\\w+$"}, "llguidance", "pattern", "$"),
 ])
 def test_every_rejection_names_keyword_and_path(schema, backend, keyword, path):
     with pytest.raises(UnsupportedSchemaError) as info:
