@@ -64,6 +64,34 @@ def pattern_is_json_safe(pattern: str) -> bool:
     return _seq_ok(parsed)
 
 
+def has_top_level_alternation(pattern: str) -> bool:
+    """True if `pattern` has a `|` outside any group and bracket expression
+    (`^all|tags$`): outlines-core writes a pattern between a string's quotes
+    without parentheses, so the quotes would belong to the first and last branch.
+    (A textual scan: Python's parser folds `a|b` into a class.)"""
+    depth, i, in_class = 0, 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            i += 1 + (pattern[i + 1:i + 2] == "^")
+            i += pattern[i:i + 1] == "]"           # a literal ] first in the class
+            continue
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            return True
+        i += 1
+    return False
+
+
 def escape_literal(text: str) -> str:
     """Regex matching exactly `text` (Rust regex syntax, as outlines-core and
     llguidance parse it: punctuation and ASCII controls hex-escaped)."""

@@ -32,7 +32,7 @@ import re
 from typing import Any
 
 from formwork.grammar.pattern_prefix import patterns_disjoint
-from formwork.grammar.regex_safety import pattern_is_json_safe
+from formwork.grammar.regex_safety import has_top_level_alternation, pattern_is_json_safe
 from formwork.grammar.schema_formats import NARROWER_FORMAT
 from formwork.grammar.schema_lengths import MAX_FOLDED_COUNT, is_plain_length_pattern
 from formwork.grammar.schema_oneof import (
@@ -261,6 +261,9 @@ def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     out += [(k, "the pattern/format would be dropped") for k, _ in _length_next_to_pattern(node)]
     if isinstance(node.get("pattern"), str) and not pattern_is_json_safe(node["pattern"]):
         out.append(("pattern", "may match a quote, backslash or control character"))
+    elif isinstance(node.get("pattern"), str) and has_top_level_alternation(node["pattern"]):
+        out.append(("pattern", "an alternation outside any group (outlines-core writes the "
+                               "pattern between the string's quotes without parentheses)"))
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     untyped = [k for k, v in props.items()
                if v is True or (isinstance(v, dict) and not ASSERTIONS & v.keys())]

@@ -149,6 +149,11 @@ def test_xgrammar_plain_length_pattern_is_exact(compile_for, tokenizer, vocab):
                 {"type": "string", "pattern": "^\\$VAULT;"}]},
      "llguidance", "patternProperties", "$.anyOf[0].patternProperties"),
     ({"type": "string", "pattern": "^(?=a)\\w+$"}, "llguidance", "pattern", "$"),
+    # the-federation.info's relay schema: outlines-core wrote "all|tags" between the
+    # quotes unparenthesized, so a walk ended in `"scope":tags",` (not JSON)
+    ({"type": "object", "properties": {"scope": {"type": "string", "pattern": "^all|tags$"}}},
+     "outlines", "pattern", "$.properties.scope"),
+    ({"type": "string", "pattern": "a|b"}, "outlines", "pattern", "$"),
 ])
 def test_every_rejection_names_keyword_and_path(schema, backend, keyword, path):
     with pytest.raises(UnsupportedSchemaError) as info:
@@ -633,3 +638,16 @@ def test_float_multiple_of_claim(m):
     assert all(passes(j * step) for j in range(-100_000, 100_000))
     decimal = Fraction(repr(m))                 # and the decimal multiples: some fail
     assert not all(passes(float(k * decimal)) for k in range(1, 2000))
+
+
+def test_a_top_level_alternation_pattern_is_served_by_auto(compile_for, tokenizer, vocab):
+    """The same pattern under `auto` (llguidance): every walk output is JSON and valid."""
+    schema = {"type": "object", "properties": {"scope": {"type": "string", "pattern": "^all|tags$"}},
+              "required": ["scope"]}
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {'{"scope":"all"}': True, '{"scope":"tags"}': True,
+                                               '{"scope":"all of it"}': True, '{"scope":"my tags"}': True,
+                                               '{"scope":"none"}': False, '{"scope":"tags!"}': False})
+    for text in _walk_outputs(compiled, vocab, random.Random("alt")):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
