@@ -37,6 +37,7 @@ from formwork.grammar.schema_formats import (
     backend_format,
     exact_dates,
     float_multiple_of,
+    is_number,
     raise_lowest_bound,
 )
 from formwork.grammar.schema_normalize import map_subschemas, normalize
@@ -175,12 +176,12 @@ def _integer_multiple_within(node: dict, narrowed: dict) -> bool:
     lo = hi = None
     for kw, exclusive in (("minimum", False), ("exclusiveMinimum", True)):
         v = node.get(kw)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if is_number(v):
             first = (math.floor(v / step) + 1) * step if exclusive else math.ceil(v / step) * step
             lo = first if lo is None else max(lo, first)
     for kw, exclusive in (("maximum", False), ("exclusiveMaximum", True)):
         v = node.get(kw)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if is_number(v):
             last = (math.ceil(v / step) - 1) * step if exclusive else math.floor(v / step) * step
             hi = last if hi is None else min(hi, last)
     return lo is None or hi is None or lo <= hi
@@ -191,8 +192,7 @@ def _widened(node: dict) -> dict:
     LOWEST_BOUND, which `_closed` raises) and its `pattern`'s classes read as widely
     as either ECMA-262 or Python does: every instance `node` admits passes."""
     drop = {"format"} | {kw for kw in ("minimum", "exclusiveMinimum")
-                         if isinstance(node.get(kw), (int, float))
-                         and not isinstance(node.get(kw), bool) and node[kw] < LOWEST_BOUND}
+                         if is_number(node.get(kw)) and node[kw] < LOWEST_BOUND}
     node = {k: v for k, v in node.items() if k not in drop} if drop & node.keys() else node
     return portable_pattern(node, either=True)
 

@@ -103,14 +103,15 @@ def raise_lowest_bound(node: dict, lowest: int) -> dict:
     numbers below `lowest` are lost), for a backend that cannot build a range
     reaching further down. Left alone when that would empty the range."""
     out = node
-    upper = [node[k] for k in ("maximum", "exclusiveMaximum") if _is_number(node.get(k))]
+    upper = [node[k] for k in ("maximum", "exclusiveMaximum") if is_number(node.get(k))]
     for kw in ("minimum", "exclusiveMinimum"):
-        if _is_number(node.get(kw)) and node[kw] < lowest and all(u > lowest for u in upper):
+        if is_number(node.get(kw)) and node[kw] < lowest and all(u > lowest for u in upper):
             out = out | {kw: lowest}
     return out
 
 
-def _is_number(x: Any) -> bool:
+def is_number(x: Any) -> bool:
+    """A JSON number (bool is not one)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
