@@ -42,6 +42,7 @@ from formwork.grammar.schema_formats import (
 )
 from formwork.grammar.schema_normalize import map_subschemas, normalize
 from formwork.grammar.schema_oneof import inferred_types, pairwise_disjoint
+from formwork.grammar.schema_pattern_names import pattern_name_issues, portable_pattern_names
 from formwork.grammar.schema_closing import close_declared_objects, drop_legacy_ref_siblings
 from formwork.grammar.schema_walk import iter_nodes, map_ref_targets, validator_class
 from formwork.grammar.structural_tag import triggered_tags
@@ -127,12 +128,13 @@ def _regex_culprit(schema: Any) -> tuple[str, str, str] | None:
 def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
     """`schema` as generated: objects closed to their declared properties by default,
     formats as llguidance serves them (`backend_format`), pattern classes as both
-    ECMA-262 and Python's `re` read them (regex_classes.py)."""
+    ECMA-262 and Python's `re` read them (regex_classes.py), in `patternProperties`
+    names too (schema_pattern_names.py)."""
     if isinstance(schema, dict):
         draft3 = validator_class(schema) is jsonschema.Draft3Validator
-        schema = map_subschemas(schema, lambda n: _float_multiple(portable_pattern(
-            raise_lowest_bound(exact_dates(backend_format(n, FORMATS, draft3), draft3),
-                               LOWEST_BOUND))))
+        schema = map_subschemas(schema, lambda n: _float_multiple(portable_pattern_names(
+            portable_pattern(raise_lowest_bound(exact_dates(backend_format(n, FORMATS, draft3),
+                                                            draft3), LOWEST_BOUND)))))
     schema = drop_legacy_ref_siblings(schema)
     if params.additional_properties == "declared":
         schema = close_declared_objects(schema)
@@ -169,6 +171,12 @@ def _refuse_float_multiples(schema: Any) -> None:
         raise UnsupportedSchemaError([SchemaIssue(
             "multipleOf", sn.path, f"multipleOf {m!r}: jsonschema checks it in binary "
                                    f"floating point, where {why}")], "llguidance")
+
+
+def _disputed_pattern_names(schema: Any) -> list[SchemaIssue]:
+    """What `portable_pattern_names` cannot serve exactly (schema_pattern_names.py)."""
+    return [SchemaIssue(kw, sn.path, detail) for sn in iter_nodes(schema)
+            for kw, detail in pattern_name_issues(sn.schema)]
 
 
 def _integer_multiple_within(node: dict, narrowed: dict) -> bool:
@@ -225,6 +233,11 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
         raise UnsupportedSchemaError([SchemaIssue("false", "$", "the schema admits no value")],
                                      "llguidance")
     _refuse_float_multiples(schema)
+    if _disputed_pattern_names(schema):      # `allOf` beside it, say: merged, it may pass
+        merged = normalize(schema, exact_false=True)
+        if _disputed_pattern_names(merged):
+            raise UnsupportedSchemaError(_disputed_pattern_names(schema), "llguidance")
+        schema = merged
     grammar = _json_grammar(schema, params)
     error = _grammar_error(grammar) or _one_of_error(schema, params)
     if not error:

@@ -35,6 +35,7 @@ from formwork.grammar.pattern_prefix import patterns_disjoint
 from formwork.grammar.regex_safety import has_top_level_alternation, pattern_is_json_safe
 from formwork.grammar.schema_formats import NARROWER_FORMAT
 from formwork.grammar.schema_lengths import MAX_FOLDED_COUNT, is_plain_length_pattern
+from formwork.grammar.schema_pattern_names import pattern_name_issues
 from formwork.grammar.schema_oneof import (
     branches_imply_type,
     emitted_forms,
@@ -107,6 +108,7 @@ def common_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
         out.append(("oneOf", "branches are not provably disjoint (would be treated as anyOf)"))
     out += _enum_issues(node, validator)
     out += _required_issues(node)
+    out += pattern_name_issues(node)
     if _types(node) is None:
         bare = [k for k in NUMERIC + STRING + ARRAY + OBJECT if k in node]
         out += [(k, "needs an explicit 'type' to be enforced") for k in bare]

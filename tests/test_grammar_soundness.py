@@ -651,3 +651,72 @@ def test_a_top_level_alternation_pattern_is_served_by_auto(compile_for, tokenize
                                                '{"scope":"none"}': False, '{"scope":"tags!"}': False})
     for text in _walk_outputs(compiled, vocab, random.Random("alt")):
         assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
+NAME_FORMS = ["\\d", "\\D", "\\w", "\\W", "\\s", "\\S", "[^\\s]", "[\\S]", "."]
+
+
+@pytest.mark.parametrize("backend,mode", [("llguidance", "declared"), ("llguidance", "schema"),
+                                          ("xgrammar", "declared")])
+@pytest.mark.parametrize("extra", [False, {"type": "string"}, None])
+def test_pattern_property_names_are_read_as_python_reads_them(backend, mode, extra, compile_for,
+                                                              tokenizer, vocab):
+    """A patternProperties name is a regex too: for `^k\\D$` xgrammar and llguidance
+    wrote the key "k١" (Python: ١ is a digit, so the key matched no pattern and
+    `additionalProperties: false` refused it); for `^k\\d$` next to an open object
+    llguidance wrote "k١" as an undeclared key with a string value (Python: it
+    matches the pattern, whose schema wants an integer). 120 such acceptances over
+    these forms before; now a key is accepted only where jsonschema agrees, and
+    the ASCII keys each pattern means are still served."""
+    ascii_key = {"\\d": "1", "\\D": "a", "\\w": "a", "\\W": "-", "\\s": " ", "\\S": "a",
+                 "[^\\s]": "a", "[\\S]": "a", ".": "a"}
+    for form in NAME_FORMS:
+        schema = {"type": "object", "patternProperties": {f"^k{form}$": {"type": "integer"}}}
+        if extra is not None:
+            schema["additionalProperties"] = extra
+        _, compiled = compile_for(P(json=schema, backend=backend, additional_properties=mode))
+        assert accepts(compiled, tokenizer, vocab, json.dumps({"k" + ascii_key[form]: 1})), form
+        for ch in DISPUTED + ["\x1f", "\u180e"]:
+            for value in ("1", '"s"'):
+                text = "{" + json.dumps("k" + ch, ensure_ascii=False) + ": " + value + "}"
+                if accepts(compiled, tokenizer, vocab, text):
+                    valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+                    assert valid, (form, ch, value)
+
+
+def test_pattern_property_names_closed_keep_required_names(compile_for, tokenizer, vocab):
+    """Closing an object whose pattern names were narrowed declares its undeclared
+    required names with the additionalProperties schema, so it stays satisfiable."""
+    schema = {"type": "object", "patternProperties": {"^n\\d+$": {"type": "integer"}},
+              "additionalProperties": {"type": "string"}, "required": ["id"]}
+    _, compiled = compile_for(P(json=schema, backend="llguidance", additional_properties="schema"))
+    judge(compiled, tokenizer, vocab, schema, {'{"id": "x"}': True, '{"id": "x", "n12": 3}': True,
+                                               '{"id": 3}': False, '{"n1": 3}': False})
+    for text in _walk_outputs(compiled, vocab, random.Random("req")):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar"])
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"ké": {"type": "string"}},       # 'ké' matches ^k\w$ in re
+     "patternProperties": {"^k\\w$": {"type": "string", "maxLength": 3}}},
+    {"type": "object", "patternProperties": {"^k\\d$": {"type": "integer"}},
+     "allOf": [{"properties": {"z": {"type": "string"}}}]},
+])
+def test_pattern_property_names_that_cannot_be_read_alike_are_named(schema, backend):
+    with pytest.raises(UnsupportedSchemaError) as info:
+        choose_backend(P(json=schema, backend=backend, additional_properties="declared"))
+    assert "patternProperties" in {i.keyword for i in info.value.issues}
+
+
+def test_pattern_property_names_beside_a_mergeable_all_of_are_served(compile_for, tokenizer,
+                                                                      vocab):
+    """allOf beside a narrowed pattern name is refused as written; where formwork
+    merges it into the node, the merged node is closed and served."""
+    schema = {"type": "object", "patternProperties": {"^k\\d$": {"type": "integer"}},
+              "allOf": [{"required": ["k1"]}]}
+    name, compiled = compile_for(P(json=schema))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {'{"k1": 1}': True, '{"k1": 1, "k2": 2}': True,
+                                               '{"k2": 2}': False, '{"k1": "x"}': False})
+    assert not accepts(compiled, tokenizer, vocab, '{"k1": 1, "k\u0661": "x"}')
