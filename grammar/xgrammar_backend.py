@@ -22,10 +22,15 @@ from formwork.grammar.schema_check import (
     check_schema,
     native_schema_error,
 )
+from formwork.grammar.escape_guard import SurrogateEscapeGuard
 from formwork.grammar.structural_tag import structural_tag_spec
 from formwork.grammar.utf8_guard import INVALID, Utf8Guard
 from formwork.grammar.vocab import TokenVocab, VocabKind
 from formwork.schemas.structured import StructuredOutputsParams
+
+Guard = Utf8Guard | SurrogateEscapeGuard
+# Constraints whose output is JSON (a structural tag's free text too: escape_guard.py)
+_JSON_KINDS = ("json", "json_object", "structural_tag")
 
 _VOCAB_TYPES = {VocabKind.BYTE_LEVEL: xgr.VocabType.BYTE_LEVEL,
                 VocabKind.BYTE_FALLBACK: xgr.VocabType.BYTE_FALLBACK,
@@ -110,22 +115,22 @@ def to_xgrammar(params: StructuredOutputsParams) -> xgr.Grammar:
 
 
 class XGrammarMatcher(Matcher):
-    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int, guard: Utf8Guard):
+    """xgrammar's matcher behind byte guards it needs: well-formed UTF-8 always
+    (utf8_guard), no surrogate escapes in JSON (escape_guard)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int,
+                 guards: tuple[Guard, ...]):
         self.native = xgr.GrammarMatcher(compiled)
         self._eos = eos_token_id
-        self._guard = guard
-        self._utf8 = [0]         # UTF-8 decoder state after each accepted token (utf8_guard)
-
-    @property
-    def utf8_state(self) -> int:
-        return self._utf8[-1]
+        self._guards = guards
+        self._states = [(0,) * len(guards)]    # each guard's state after each accepted token
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         states = []
-        state = self._utf8[-1]
+        state = self._states[-1]
         for tid in token_ids:
-            state = self._guard.step(state, (tid,))
-            if state == INVALID:        # ill-formed UTF-8, which xgrammar would take
+            state = tuple(g.step(s, (tid,)) for g, s in zip(self._guards, state))
+            if INVALID in state:        # bytes xgrammar would take and a guard refuses
                 return False
             states.append(state)
         for n, tid in enumerate(token_ids):
@@ -133,7 +138,7 @@ class XGrammarMatcher(Matcher):
                 if n:
                     self.native.rollback(n)
                 return False
-        self._utf8 += states
+        self._states += states
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -141,7 +146,12 @@ class XGrammarMatcher(Matcher):
             set_only_tokens(bitmask, row, [self._eos])
         else:
             self.native.fill_next_token_bitmask(bitmask, row)
-            self._guard.restrict(bitmask, row, self._utf8[-1])
+            self.restrict(bitmask, row)
+
+    def restrict(self, bitmask: torch.Tensor, row: int) -> None:
+        """AND `row` (filled by xgrammar) with what the guards allow next."""
+        for guard, state in zip(self._guards, self._states[-1]):
+            guard.restrict(bitmask, row, state)
 
     def is_terminated(self) -> bool:
         return self.native.is_terminated()
@@ -149,11 +159,11 @@ class XGrammarMatcher(Matcher):
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self.native.rollback(num_tokens)
-            del self._utf8[-num_tokens:]
+            del self._states[-num_tokens:]
 
     def reset(self) -> None:
         self.native.reset()
-        self._utf8 = [0]
+        self._states = [(0,) * len(self._guards)]
 
     def jump_forward_string(self) -> str:
         if self.native.is_terminated():
@@ -164,13 +174,14 @@ class XGrammarMatcher(Matcher):
 class XGrammarCompiled(CompiledGrammar):
     backend_name = "xgrammar"
 
-    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int, guard: Utf8Guard):
+    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int,
+                 guards: tuple[Guard, ...]):
         self.native = compiled
         self._eos = eos_token_id
-        self._guard = guard
+        self._guards = guards
 
     def new_matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self.native, self._eos, self._guard)
+        return XGrammarMatcher(self.native, self._eos, self._guards)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -193,14 +204,18 @@ class XGrammarBackend(GrammarBackend):
         self._batch = xgr.BatchGrammarMatcher(max_threads)
         self._batch_fill_min = batch_fill_min
         self._eos = vocab.eos_token_id
-        self._guard = Utf8Guard(vocab)
+        self._utf8_guard = Utf8Guard(vocab)
+        self._escape_guard = SurrogateEscapeGuard(vocab)
 
     def check(self, params: StructuredOutputsParams) -> None:
         to_xgrammar(params)
 
     def compile(self, params: StructuredOutputsParams) -> XGrammarCompiled:
         grammar = to_xgrammar(params)
-        return XGrammarCompiled(self._compiler.compile_grammar(grammar), self._eos, self._guard)
+        guards: tuple[Guard, ...] = (self._utf8_guard,)
+        if params.kind() in _JSON_KINDS:
+            guards += (self._escape_guard,)
+        return XGrammarCompiled(self._compiler.compile_grammar(grammar), self._eos, guards)
 
     def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
                       rows: Sequence[int]) -> None:
@@ -227,6 +242,6 @@ class XGrammarBackend(GrammarBackend):
             for m, row in zip(live, live_rows):
                 m.native.fill_next_token_bitmask(bitmask, row)
         for m, row in zip(live, live_rows):
-            self._guard.restrict(bitmask, row, m.utf8_state)
+            m.restrict(bitmask, row)
         for src, dst in copies:
             bitmask[dst].copy_(bitmask[src])

@@ -720,3 +720,65 @@ def test_pattern_property_names_beside_a_mergeable_all_of_are_served(compile_for
     judge(compiled, tokenizer, vocab, schema, {'{"k1": 1}': True, '{"k1": 1, "k2": 2}': True,
                                                '{"k2": 2}': False, '{"k1": "x"}': False})
     assert not accepts(compiled, tokenizer, vocab, '{"k1": 1, "k\u0661": "x"}')
+
+
+SURROGATE_TEXTS = {'"\\ud800"': False, '"a\\udc00b"': False, '"\\uD83D\\uDE00"': False,
+                   '"\\ud83d\\u0041"': False, '"\\\\ud800"': True, '"\\u00e9\\u0000"': True,
+                   '"\\ud7ff"': True, '"\\ue000"': True, '"😀"': True}
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar"])
+def test_no_surrogate_escape_in_json(backend, compile_for, tokenizer, vocab):
+    """xgrammar's JSON strings took `"\\ud800"`, a lone surrogate: Python's json
+    decodes it into a str that cannot be encoded as UTF-8 and pydantic's parser
+    refuses the text. No backend writes a surrogate escape now (an escaped
+    backslash before `ud800` is text, and stays allowed)."""
+    import pydantic_core
+    for schema in ({"type": "string"}, {"type": "object", "properties": {"a": {"type": "string"}},
+                                         "required": ["a"]}):
+        _, compiled = compile_for(P(json=schema, backend=backend))
+        for text, allowed in SURROGATE_TEXTS.items():
+            doc = text if schema["type"] == "string" else '{"a": ' + text + '}'
+            got = accepts(compiled, tokenizer, vocab, doc)
+            if backend == "xgrammar" or not allowed:     # the others refuse \u escapes but controls
+                assert got == allowed, doc
+            if got:
+                pydantic_core.from_json(doc)
+                json.dumps(json.loads(doc), ensure_ascii=False).encode()
+
+
+def test_no_surrogate_escape_in_xgrammar_tool_calls(compile_for, tokenizer, vocab):
+    """Tools in `auto` mode are xgrammar structural tags first: the same guard."""
+    begin, end = '<tool_call>{"name": "say", "arguments": ', "}</tool_call>"
+    tag = {"triggers": ["<tool_call>"], "structures": [
+        {"begin": begin, "schema": {"type": "object", "properties": {"t": {"type": "string"}},
+                                    "required": ["t"]}, "end": end}]}
+    name, compiled = compile_for(P(structural_tag=tag))
+    assert name == "xgrammar"
+    for text, allowed in SURROGATE_TEXTS.items():
+        call = begin + '{"t": ' + text + "}" + end
+        assert accepts(compiled, tokenizer, vocab, "Sure. " + call) == allowed, text
+    # a regex is not JSON: its backslashes are the user's to spell
+    _, compiled = compile_for(P(regex="\\\\ud800", backend="xgrammar"))
+    assert accepts(compiled, tokenizer, vocab, "\\ud800")
+
+
+def test_surrogate_escape_guard_mask_matches_accept(compile_for, tokenizer, vocab):
+    """After `"\\u` and after `"\\ud` the mask allows exactly the tokens
+    accept_tokens takes (no surrogate second digit), and walks stay parseable."""
+    _, compiled = compile_for(P(json={"type": "string"}, backend="xgrammar"))
+    bitmask = allocate_bitmask(1, VOCAB)
+    for prefix in ('"\\u', '"\\ud', '"\\uD', '"x\\\\'):
+        m = compiled.new_matcher()
+        assert m.accept_tokens(tokenizer.encode(prefix, add_special_tokens=False)), prefix
+        m.fill_bitmask(bitmask, 0)
+        allowed = set(allowed_token_ids(bitmask, 0, VOCAB))
+        for tid in range(VOCAB):
+            if vocab.token_bytes[tid]:
+                ok = m.accept_tokens([tid])
+                if ok:
+                    m.rollback(1)
+                assert ok == (tid in allowed), (prefix, vocab.token_bytes[tid])
+    for text in _walk_outputs(compiled, vocab, random.Random("esc"), steps=64):
+        pydantic_core_ok = __import__("pydantic_core").from_json(text)
+        assert isinstance(pydantic_core_ok, str)
