@@ -15,16 +15,34 @@ from formwork.schemas.openai_base import random_id
 _CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
+class _Number(str):
+    """A JSON number as the model wrote it. Parsed into a float, `1e999` became
+    `inf` and was sent back as `Infinity`, which is not JSON; `1.10` became `1.1`."""
+
+
+def _loads(text: str):
+    return json.loads(text, parse_int=_Number, parse_float=_Number)
+
+
 def _compact(value) -> str:
+    """`value` (from `_loads`) as JSON with json.dumps' default separators, its
+    numbers as written."""
+    if isinstance(value, _Number):
+        return str(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_compact(v)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_compact(v) for v in value) + "]"
     return json.dumps(value, ensure_ascii=False)
 
 
 def _call_from_json(text: str) -> ToolCall | None:
     try:
-        obj = json.loads(text)
+        obj = _loads(text)
     except json.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(obj, dict) or type(obj.get("name")) is not str:   # not a _Number
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return ToolCall(function=FunctionCall(name=obj["name"], arguments=_compact(args)))
@@ -34,13 +52,13 @@ def parse_tool_output(mode: ToolMode, text: str) -> tuple[str | None, list[ToolC
     """Split a finished output into (content, tool calls). Unparseable calls stay content."""
     if mode.kind == "named":
         try:
-            args = _compact(json.loads(text))
+            args = _compact(_loads(text))
         except json.JSONDecodeError:
             args = text  # cut by max_tokens: hand back what was generated
         return None, [ToolCall(function=FunctionCall(name=mode.name, arguments=args))]
     if mode.kind == "required":
         try:
-            obj = json.loads(text)
+            obj = _loads(text)
         except json.JSONDecodeError:
             return text, []
         items = obj if isinstance(obj, list) else [obj]

@@ -428,3 +428,24 @@ def test_unreadable_bodies_are_invalid_json_naming_the_problem(app_client, conte
     err = _body_error(r)
     assert err["code"] == "invalid_json" and err["param"] is None
     assert words in err["message"] and "error parsing the body" not in err["message"]
+
+
+@pytest.mark.parametrize("kind", ["auto", "named", "required"])
+def test_tool_arguments_keep_numbers_as_written(kind):
+    """Arguments were parsed and dumped again: `1e999` came back as `Infinity`
+    (not JSON; pydantic and JSON.parse refuse it) and `1.10` as `1.1`. Numbers
+    are now passed as written; other values as before; a number is no name."""
+    args = '{"n": 1e999, "p": 1.10, "i": -0, "big": 123456789012345678901234567890, ' \
+           '"s": "x\\"y", "l": [1E5, true, null], "o": {}}'
+    tools = resolve_tool_mode(chat(tools=[WEATHER, TIME])).tools
+    mode = ToolMode(kind, tools, "get_weather" if kind == "named" else None)
+    text = {"named": args,
+            "auto": f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>',
+            "required": f'[{{"name": "get_weather", "arguments": {args}}}]'}[kind]
+    _, calls = parse_tool_output(mode, text)
+    got = calls[0].function.arguments
+    assert got == args
+    assert json.loads(got)["s"] == 'x"y'
+    if kind != "named":
+        bad = text.replace('"name": "get_weather"', '"name": 5')
+        assert parse_tool_output(mode, bad)[1] == []
