@@ -211,6 +211,18 @@ def test_judge_matches_jsonschema(text, finish, valid, error):
         jsonschema.validate(rec["data"], SCHEMA)
 
 
+def test_judge_refuses_numbers_a_json_line_cannot_carry():
+    """`1e999` is valid JSON and passes the schema, but Python reads it as inf and
+    the JSONL line said `Infinity`, which no JSON reader but Python's takes."""
+    schema = {"type": "object", "properties": {"n": {"type": "number"}}}
+    rec = judge(Document("d", "s", "t"), '{"n": -1e999}', "stop",
+                make_validator(schema), usage=(5, 3))
+    assert rec["valid"] is False and rec["data"] is None and "64-bit float" in rec["error"]
+    json.loads(json.dumps(rec, allow_nan=False))
+    ok = judge(Document("d", "s", "t"), '{"n": 1e308}', "stop", make_validator(schema), usage=(5, 3))
+    assert ok["valid"] is True and ok["data"] == {"n": 1e308}
+
+
 # -- the real model ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm():

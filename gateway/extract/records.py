@@ -5,6 +5,7 @@ line (`RecordSink`) and read back for --resume (`done_ids`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -35,7 +36,10 @@ def judge(doc: Document, text: str, finish_reason: str | None, validator, *,
     except json.JSONDecodeError as e:
         data, error = None, f"output is not valid JSON ({e.msg} at char {e.pos}): {text[:120]!r}"
     else:
-        best = jsonschema.exceptions.best_match(validator.iter_errors(data))
+        if _has_non_finite(data):       # 1e999: valid JSON, but written back as `Infinity`
+            data, error = None, ("output has a number beyond what a 64-bit float holds "
+                                 f"(read as infinity; a JSON line cannot carry it): {text[:120]!r}")
+        best = None if error else jsonschema.exceptions.best_match(validator.iter_errors(data))
         if best is not None:
             error = f"schema violation at {best.json_path}: {best.message}"
     if finish_reason == "length":
@@ -44,6 +48,16 @@ def judge(doc: Document, text: str, finish_reason: str | None, validator, *,
     elif finish_reason != "stop" and error is None:
         error = f"generation ended with finish_reason {finish_reason!r}"
     return make_record(doc, data=data, valid=error is None, error=error, **rec)
+
+
+def _has_non_finite(value) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_has_non_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_non_finite(v) for v in value)
+    return False
 
 
 def make_validator(schema: dict):
