@@ -34,7 +34,6 @@ from formwork.grammar.schema_rules import (
     xgrammar_only_issues,
 )
 from formwork.grammar.schema_normalize import map_subschemas, normalize
-from formwork.grammar.schema_pattern_names import portable_pattern_names
 from formwork.grammar.schema_walk import (
     SchemaNode,
     child_path,
@@ -200,16 +199,14 @@ def _backend_view(schema: Any, backend: str) -> Any:
     """Exact rewrites a backend needs to enforce what it was checked for.
     xgrammar: lengths its format grammars imply are dropped (it would warn about
     them and ignore them; the format alone enforces them), and plain string
-    lengths become a pattern it enforces without admitting control characters;
-    `patternProperties` names get the classes both ECMA-262 and Python's `re`
-    read in them (schema_pattern_names.py; outlines refuses those names).
+    lengths become a pattern it enforces without admitting control characters.
     outlines: keywords of types the node's `type` excludes are dropped (it would
     build an object regex for `type: array` next to `properties`), and patterns
     get the classes both JSON Schema (ECMA-262) and Python's `re` read in them
     (regex_classes.py)."""
     if backend == "xgrammar":
-        return map_subschemas(schema, lambda node: portable_pattern_names(lengths_as_plain_pattern(
-            drop_implied_lengths(node, XGRAMMAR_FORMAT_LENGTHS))))
+        return map_subschemas(schema, lambda node: lengths_as_plain_pattern(
+            drop_implied_lengths(node, XGRAMMAR_FORMAT_LENGTHS)))
     return map_subschemas(schema, lambda node: portable_pattern(drop_inapplicable(node)))
 
 

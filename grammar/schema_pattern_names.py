@@ -8,6 +8,8 @@ key "k١" for `^k\\D$` (Python: ١ is a digit, so the key matches nothing and
 llguidance write "k١" for `^k\\d$` as an *undeclared* key, with a value the
 pattern's schema refuses.
 
+Used for llguidance (xgrammar compiles these names loosely and outlines-core
+ignores them: both refuse `patternProperties`).
 `portable_pattern_names(node)` gives the backend each name with its classes as
 both readings match them, so a key generated for a pattern matches it under
 either. A key generated as undeclared may then still match a pattern as Python

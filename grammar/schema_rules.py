@@ -14,9 +14,9 @@ xgrammar 0.2.9 / outlines-core 0.2.14 (both ignore silently unless noted):
   (its own length grammar admits raw control characters), allOf with >1 branch,
   the date/time, ipv4/ipv6 and hostname formats (2021-02-29, "044.29.74.38"),
   minLength/maxLength next to pattern/format,
-  multipleOf unless on a bounded-free integer, patternProperties that a name
-  may match twice (two patterns, or a property with other constraints: both
-  may generate that name), propertyNames next to properties;
+  multipleOf unless on a bounded-free integer, patternProperties (its names
+  are compiled by the same loose converter as `pattern`: `^a(bc+)?$` admitted
+  the name "acc"), propertyNames next to properties;
 - outlines: a property that admits any value (`{}`: the regex it builds lacks
   parentheses), `\\D`/`\\W` inside a class (its classes are Unicode-aware;
   other `\\d`/`\\w` are spelled out as ASCII before it sees them), every numeric bound, multipleOf, min/maxProperties, allOf,
@@ -28,14 +28,11 @@ xgrammar 0.2.9 / outlines-core 0.2.14 (both ignore silently unless noted):
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
-from formwork.grammar.pattern_prefix import patterns_disjoint
 from formwork.grammar.regex_safety import has_top_level_alternation, pattern_is_json_safe
 from formwork.grammar.schema_formats import NARROWER_FORMAT
 from formwork.grammar.schema_lengths import MAX_FOLDED_COUNT, is_plain_length_pattern
-from formwork.grammar.schema_pattern_names import pattern_name_issues
 from formwork.grammar.schema_oneof import (
     branches_imply_type,
     emitted_forms,
@@ -108,7 +105,6 @@ def common_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
         out.append(("oneOf", "branches are not provably disjoint (would be treated as anyOf)"))
     out += _enum_issues(node, validator)
     out += _required_issues(node)
-    out += pattern_name_issues(node)
     if _types(node) is None:
         bare = [k for k in NUMERIC + STRING + ARRAY + OBJECT if k in node]
         out += [(k, "needs an explicit 'type' to be enforced") for k in bare]
@@ -180,9 +176,9 @@ def xgrammar_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
         m = node["multipleOf"]
         if node.get("type") != "integer" or bounded or not float(m).is_integer():
             out.append(("multipleOf", "only enforced on an integer type without bounds"))
-    pp = node.get("patternProperties")
-    if isinstance(pp, dict) and pp:
-        out += _pattern_properties_issues(node, pp)
+    if node.get("patternProperties"):
+        out.append(("patternProperties", "xgrammar compiles a property-name pattern as loosely "
+                                         "as a `pattern` (^a(bc+)?$ admits the name \"acc\")"))
     if "propertyNames" in node and node.get("properties"):
         out.append(("propertyNames", "not enforced next to 'properties'"))
     for kw in ("exclusiveMinimum", "exclusiveMaximum"):
@@ -219,33 +215,6 @@ def _length_next_to_pattern(node: dict, format_lengths: dict | None = None) -> I
                 continue
         out.append((k, f"not enforced together with '{other}'"))
     return out
-
-
-def _pattern_properties_issues(node: dict, pp: dict) -> Issues:
-    """xgrammar generates a name for each pattern (full match, possibly repeated)
-    and a declared name also through a pattern it matches: fine only when no name
-    matches two patterns and a clashing property means the same as its pattern's."""
-    names = list(pp)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            if not patterns_disjoint(a, b):
-                return [("patternProperties", f"a name may match both {a!r} and {b!r}")]
-    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-    for pattern, schema in pp.items():
-        try:
-            rx = re.compile(pattern)
-        except re.error:
-            return [("patternProperties", f"pattern {pattern!r} is not a Python-compatible regex")]
-        clash = [p for p in props if rx.search(p) and _constraints(props[p]) != _constraints(schema)]
-        if clash:
-            return [("patternProperties", f"property {clash[0]!r} also matches {pattern!r}")]
-    return []
-
-
-def _constraints(schema: Any) -> Any:
-    if not isinstance(schema, dict):
-        return {} if schema is True else schema
-    return {k: v for k, v in schema.items() if k in ASSERTIONS or k == "format"}
 
 
 def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:

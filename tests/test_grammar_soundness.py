@@ -657,7 +657,7 @@ NAME_FORMS = ["\\d", "\\D", "\\w", "\\W", "\\s", "\\S", "[^\\s]", "[\\S]", "."]
 
 
 @pytest.mark.parametrize("backend,mode", [("llguidance", "declared"), ("llguidance", "schema"),
-                                          ("xgrammar", "declared")])
+                                          ("auto", "declared")])
 @pytest.mark.parametrize("extra", [False, {"type": "string"}, None])
 def test_pattern_property_names_are_read_as_python_reads_them(backend, mode, extra, compile_for,
                                                               tokenizer, vocab):
@@ -667,7 +667,8 @@ def test_pattern_property_names_are_read_as_python_reads_them(backend, mode, ext
     llguidance wrote "k١" as an undeclared key with a string value (Python: it
     matches the pattern, whose schema wants an integer). 120 such acceptances over
     these forms before; now a key is accepted only where jsonschema agrees, and
-    the ASCII keys each pattern means are still served."""
+    the ASCII keys each pattern means are still served. (xgrammar refuses
+    patternProperties now: test_xgrammar_refuses_pattern_property_names.)"""
     ascii_key = {"\\d": "1", "\\D": "a", "\\w": "a", "\\W": "-", "\\s": " ", "\\S": "a",
                  "[^\\s]": "a", "[\\S]": "a", ".": "a"}
     for form in NAME_FORMS:
@@ -782,3 +783,19 @@ def test_surrogate_escape_guard_mask_matches_accept(compile_for, tokenizer, voca
     for text in _walk_outputs(compiled, vocab, random.Random("esc"), steps=64):
         pydantic_core_ok = __import__("pydantic_core").from_json(text)
         assert isinstance(pydantic_core_ok, str)
+
+
+def test_xgrammar_refuses_pattern_property_names(compile_for, tokenizer, vocab):
+    """xgrammar compiles a patternProperties name with the loose converter it uses
+    for `pattern` (a held-out xAPI language map: 3 walk outputs with names such as
+    "rolysisALLYtry9"; minimal: ^a(bc+)?$ admitted "acc"). Refused naming it;
+    `auto` serves it with llguidance, exactly."""
+    schema = {"type": "object", "additionalProperties": False,
+              "patternProperties": {"^a(bc+)?$": {"type": "string"}}}
+    with pytest.raises(UnsupportedSchemaError) as info:
+        choose_backend(P(json=schema, backend="xgrammar"))
+    assert (info.value.issues[0].keyword, info.value.issues[0].path) == ("patternProperties", "$")
+    name, compiled = compile_for(P(json=schema))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {'{"a": "x"}': True, '{"abcc": "x"}': True,
+                                               '{"acc": "x"}': False, '{"ab": "x"}': False})
