@@ -122,8 +122,10 @@ def _inside(letter: str, negated: bool, either: bool) -> str:
 def portable_classes(pattern: str, either: bool = False) -> str:
     """`pattern` with \\d \\w \\s \\D \\W \\S and `.` spelled out (module doc): as
     what both readings match, or (`either`) what either may match: the language a
-    check may accept, for proofs that must not assume the narrower one. Other
-    escapes and syntax are left as they are."""
+    check may accept, for proofs that must not assume the narrower one. Inside a
+    bracket expression `[`, `&&` and `~~` are written as the literals ECMA-262
+    and Python read them as (`[[:alpha:]]` is the set `[:alph` then `]` there,
+    and a POSIX class to Rust regex). Other escapes and syntax are left as they are."""
     out, i, cls_negated = [], 0, None          # None: outside a bracket expression
     while i < len(pattern):
         ch = pattern[i]
@@ -155,6 +157,12 @@ def portable_classes(pattern: str, either: bool = False) -> str:
         else:
             if ch == "]":
                 cls_negated = None
+            elif ch == "[" or pattern[i:i + 2] in ("&&", "~~"):
+                # literal here for ECMA-262 and Python; Rust regex (llguidance,
+                # outlines-core) reads a nested class, [:alpha:] or a set operation
+                out.append(f"\\u{ord(ch):04X}")
+                i += 1
+                continue
             out.append(ch)
         i += 1
     return "".join(out)

@@ -66,3 +66,24 @@ def test_the_rest_of_a_pattern_is_kept():
     assert re.fullmatch(pattern, "-") and re.fullmatch(pattern, "a_") and not re.fullmatch(pattern, "!")
     assert re.fullmatch(portable_classes("[]x]"), "]")
     assert portable_classes("\\p{L}+\\b") == "\\p{L}+\\b"
+
+
+@pytest.mark.parametrize("pattern,texts", [
+    ("^[[:alpha:]]+$", {":]": True, "a]": True, "[]]": True, "Wow": False, "ab": False}),
+    ("^[a&&b]$", {"a": True, "&": True, "b": True, "": False}),
+    ("^[x~~]$", {"x": True, "~": True, "y": False}),
+])
+def test_bracket_syntax_rust_reads_otherwise_is_literal(pattern, texts):
+    """`[` inside a class and `&&` / `~~` are literals to ECMA-262 and Python; Rust
+    regex (llguidance, outlines-core) read `[[:alpha:]]` as letters (walks wrote
+    "Wow", which Python's re refuses) and `[a&&b]` as an empty intersection. The
+    rewrite keeps Python's meaning, and the rewritten pattern says the same in Rust's
+    syntax (no bare `[`, `&&`, `~~` left inside a class)."""
+    import warnings
+    rewritten = portable_classes(pattern)
+    assert "[[" not in rewritten and "&&" not in rewritten and "~~" not in rewritten
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)      # Python: "possible nested set"
+        for text, expected in texts.items():
+            assert bool(re.fullmatch(pattern, text)) == expected, text
+            assert bool(re.fullmatch(rewritten, text)) == expected, text
