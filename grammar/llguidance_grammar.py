@@ -35,7 +35,9 @@ from formwork.grammar.schema_check import (
 )
 from formwork.grammar.schema_formats import (
     backend_format,
+    bound_truncations,
     exact_dates,
+    float_exclusive_bounds,
     float_multiple_of,
     is_number,
     raise_lowest_bound,
@@ -129,12 +131,14 @@ def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
     """`schema` as generated: objects closed to their declared properties by default,
     formats as llguidance serves them (`backend_format`), pattern classes as both
     ECMA-262 and Python's `re` read them (regex_classes.py), in `patternProperties`
-    names too (schema_pattern_names.py)."""
+    names too (schema_pattern_names.py), exclusive bounds on numbers as the floats
+    inside them (`float_exclusive_bounds`), and the numbers llguidance's range regex
+    refuses under a bound added back (`bound_truncations`)."""
     if isinstance(schema, dict):
         draft3 = validator_class(schema) is jsonschema.Draft3Validator
-        schema = map_subschemas(schema, lambda n: _float_multiple(portable_pattern_names(
-            portable_pattern(raise_lowest_bound(exact_dates(backend_format(n, FORMATS, draft3),
-                                                            draft3), LOWEST_BOUND)))))
+        schema = map_subschemas(schema, lambda n: bound_truncations(_float_multiple(
+            portable_pattern_names(portable_pattern(raise_lowest_bound(float_exclusive_bounds(
+                exact_dates(backend_format(n, FORMATS, draft3), draft3)), LOWEST_BOUND))))))
     schema = drop_legacy_ref_siblings(schema)
     if params.additional_properties == "declared":
         schema = close_declared_objects(schema)

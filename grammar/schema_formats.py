@@ -11,10 +11,16 @@ backend implements only in part (applied by the backend to what it compiles):
   stricter); the backend's own format admitted all three kinds.
 - `float_multiple_of`: a decimal `multipleOf` such as 0.01 keeps to the numbers
   that jsonschema's float check passes too (below).
+- `float_exclusive_bounds`: numeric bounds as inclusive ones of at most 15
+  significant digits, just inside the original (below);
+- `bound_truncations`: the numbers llguidance's range regex refuses under a
+  bound with fraction digits (0.9 under `maximum: 0.95`), added back.
 Inputs are not mutated.
 """
 from __future__ import annotations
 
+import math
+from decimal import ROUND_CEILING, ROUND_DOWN, ROUND_FLOOR, Decimal
 from fractions import Fraction
 from typing import Any
 
@@ -108,6 +114,100 @@ def raise_lowest_bound(node: dict, lowest: int) -> dict:
         if is_number(node.get(kw)) and node[kw] < lowest and all(u > lowest for u in upper):
             out = out | {kw: lowest}
     return out
+
+
+# Significant digits of a numeric bound llguidance reads exactly: past 15 it rounds
+# the bound (measured: `maximum: 0.19999999999999998` admitted 0.199999999999999981).
+_BOUND_DIGITS = 15
+
+
+def float_exclusive_bounds(node: dict) -> dict:
+    """Numeric bounds of a node that may be a non-integer number, as inclusive
+    bounds of at most 15 significant digits that every reading keeps to: stricter
+    by at most one unit in the 15th digit.
+
+    llguidance reads a number as the decimal written, jsonschema as the nearest
+    binary float: under `exclusiveMaximum: 1` the decimal 0.99999999999999999999 is
+    below 1, yet it reads as 1.0, which the bound refuses (so did
+    `exclusiveMinimum: 0` for a 0. followed by 330 zeros and a 1). And llguidance
+    rounds a bound of 16 or more digits (`maximum: 0.19999999999999998` admitted
+    0.199999999999999981). So an upper bound becomes the decimal of 15 digits at or
+    below it, an exclusive one a further unit in the 15th digit below (a gap wider
+    than any float's spacing there, so the float of every decimal at or under the
+    new bound lies under the old one: rounding is monotonic); lower bounds alike,
+    upward. Draft 4's boolean `exclusiveMinimum`/`exclusiveMaximum` are read as
+    such. A number written without a fraction reads as an exact int, so
+    integer-only nodes are left alone."""
+    if node.get("type") in ("integer", ["integer"]):
+        return node
+    out = dict(node)
+    for exclusive, inclusive, upper in (("exclusiveMinimum", "minimum", False),
+                                        ("exclusiveMaximum", "maximum", True)):
+        flag = out.get(exclusive)
+        bounds = []
+        if is_number(out.get(inclusive)):
+            bounds.append(_inside(out[inclusive], upper, strict=flag is True))
+        if is_number(flag):
+            bounds.append(_inside(flag, upper, strict=True))
+        if isinstance(flag, bool) or is_number(flag):
+            del out[exclusive]
+        if bounds and all(b is not None for b in bounds):
+            out[inclusive] = min(bounds) if upper else max(bounds)
+    return node if out == node else out
+
+
+def _inside(bound: int | float, upper: bool, strict: bool) -> float | None:
+    """`bound` rounded inward to 15 significant digits, and one unit further when
+    `strict`; None for a bound that is not finite."""
+    if not math.isfinite(bound):
+        return None
+    value = Decimal(repr(float(bound)) if isinstance(bound, float) else bound)
+    unit = Decimal(1).scaleb(value.adjusted() - _BOUND_DIGITS + 1)
+    rounded = value.quantize(unit, rounding=ROUND_FLOOR if upper else ROUND_CEILING)
+    if strict:
+        rounded = rounded - unit if upper else rounded + unit
+    return float(rounded)
+
+
+# Keywords a number node may carry for `bound_truncations` to rewrite it.
+_NUMBER_NODE = frozenset({"type", "minimum", "maximum", "multipleOf", "title", "description",
+                          "default", "examples", "$comment", "format"})
+
+
+def bound_truncations(node: dict) -> dict:
+    """A `number` node whose bound has fraction digits, with the numbers llguidance
+    1.9 refuses below it added back. Its range regex refuses a number whose
+    fraction is a proper prefix of the bound's on the side away from zero:
+    `maximum: 0.95` refused 0.9, `maximum: 10.25` refused 10.2, `minimum: -0.95`
+    refused -0.9 (0.90, 0.94 and 10.24 pass). Those truncations, where the node
+    admits them, become an `enum` branch: {"anyOf": [node, {"enum": [...]}]}.
+    Only plain number nodes (the keywords above) are rewritten."""
+    if node.get("type") not in ("number", ["number"]) or not node.keys() <= _NUMBER_NODE:
+        return node
+    lo, hi = node.get("minimum"), node.get("maximum")
+    m = node.get("multipleOf")
+    values = []
+    for bound, away in ((hi, 1), (lo, -1)):
+        if not is_number(bound) or not math.isfinite(bound) or bound * away <= 0:
+            continue
+        digits = Decimal(repr(float(bound))).as_tuple().exponent
+        for places in range(1, -digits if isinstance(digits, int) else 0):
+            cut = float(Decimal(repr(float(bound))).quantize(Decimal(1).scaleb(-places),
+                                                            rounding=ROUND_DOWN))
+            inside = (not is_number(lo) or cut >= lo) and (not is_number(hi) or cut <= hi)
+            if inside and cut != bound and (m is None or _float_divides(cut, m)):
+                values.append(cut)
+    if not values:
+        return node
+    return {"anyOf": [node, {"type": "number", "enum": sorted(set(values))}]}
+
+
+def _float_divides(value: float, m: Any) -> bool:
+    """jsonschema's multipleOf test for a float instance."""
+    if not is_number(m) or m <= 0:
+        return False
+    quotient = value / m
+    return math.isfinite(quotient) and int(quotient) == quotient
 
 
 def is_number(x: Any) -> bool:

@@ -799,3 +799,81 @@ def test_xgrammar_refuses_pattern_property_names(compile_for, tokenizer, vocab):
     assert name == "llguidance"
     judge(compiled, tokenizer, vocab, schema, {'{"a": "x"}': True, '{"abcc": "x"}': True,
                                                '{"acc": "x"}': False, '{"ab": "x"}': False})
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "outlines"])
+@pytest.mark.parametrize("kind", ["regex", "json"])
+def test_posix_class_syntax_means_what_python_reads(backend, kind, compile_for, tokenizer, vocab):
+    """`[[:alpha:]]+` is the set `[:alph` then `]+` to ECMA-262 and Python; llguidance
+    and outlines-core read a POSIX letter class, and walks wrote "Wow"."""
+    texts = {"a]": True, ":]]": True, "Wow": False}
+    params = P(regex="[[:alpha:]]+", backend=backend) if kind == "regex" else \
+        P(json={"type": "string", "pattern": "^[[:alpha:]]+$"}, backend=backend)
+    try:
+        _, compiled = compile_for(params)
+    except UnsupportedSchemaError:
+        assert backend == "outlines" and kind == "json"          # may match a quote: refused
+        return
+    for text, expected in texts.items():
+        doc = text if kind == "regex" else json.dumps(text)
+        assert accepts(compiled, tokenizer, vocab, doc) == expected, text
+
+
+NUMERIC_BOUNDS = [   # (schema, {text: accepted}); every accepted text validates
+    ({"type": "number", "exclusiveMaximum": 1},
+     {"0.99999999999999999999": False, "0.9999999999999999": False, "0.99": True, "1": False}),
+    ({"type": "number", "exclusiveMinimum": 0},
+     {"0." + "0" * 330 + "1": False, "1e-400": False, "0.5": True, "0": False}),
+    ({"type": "number", "exclusiveMaximum": 0.1}, {"0.09999999999999999999": False, "0.09": True}),
+    ({"type": "number", "maximum": 0.19999999999999998},
+     {"0.199999999999999981": False, "0.19999999999999999": False, "0.1999": True}),
+    ({"type": "number", "exclusiveMinimum": -1, "exclusiveMaximum": 1},
+     {"-0.99999999999999999999": False, "-0.5": True, "0.5": True}),
+    ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "number", "maximum": 1,
+      "exclusiveMaximum": True}, {"0.99999999999999999999": False, "0.5": True, "1": False}),
+    # llguidance 1.9's range regex refused the bound's truncations: 0.9 under 0.95
+    ({"type": "number", "maximum": 0.95}, {"0.9": True, "0.94": True, "0.96": False}),
+    ({"type": "number", "minimum": -0.95}, {"-0.9": True, "-0.96": False}),
+    ({"type": "number", "minimum": 10, "maximum": 10.25}, {"10.2": True, "10": True, "10.3": False}),
+    ({"type": "number", "exclusiveMaximum": 100}, {"99.9": True, "99.99": True, "100": False}),
+]
+
+
+@pytest.mark.parametrize("schema,texts", NUMERIC_BOUNDS)
+def test_numeric_bounds_hold_as_jsonschema_reads_floats(schema, texts, compile_for, tokenizer,
+                                                        vocab):
+    """llguidance reads a number as the decimal written, jsonschema as a binary float:
+    0.99999999999999999999 is below 1 as a decimal and 1.0 as a float, so it passed
+    the mask under `exclusiveMaximum: 1` and failed validation; and llguidance
+    rounded bounds of 16+ significant digits (`maximum: 0.19999999999999998`
+    admitted 0.199999999999999981). Bounds are now 15-digit inclusive ones inside,
+    and the numbers llguidance's range regex refused under a bound with fraction
+    digits (0.9 under `maximum: 0.95`) are served."""
+    name, compiled = compile_for(P(json=schema))
+    assert name == "llguidance"
+    cls = jsonschema.validators.validator_for(schema)
+    for text, expected in texts.items():
+        assert accepts(compiled, tokenizer, vocab, text) == expected, text
+        if expected:
+            assert cls(schema).is_valid(json.loads(text)), text
+    for text in _walk_outputs(compiled, vocab, random.Random(json.dumps(schema)), steps=40):
+        assert cls(schema).is_valid(json.loads(text)), text
+
+
+def test_float_exclusive_bounds_claim():
+    """For bounds of every size, decimals at the new bound and just past the old one:
+    what the new bound admits reads (as a float) inside the old one."""
+    from decimal import Decimal
+    from formwork.grammar.schema_formats import float_exclusive_bounds
+    rng = random.Random(7)
+    for _ in range(3000):
+        b = rng.choice([0, 1, -1, 0.1, 100]) if rng.random() < 0.2 else \
+            rng.uniform(-1, 1) * 10 ** rng.randint(-30, 30)
+        for kw, op in (("exclusiveMaximum", float.__lt__), ("maximum", float.__le__),
+                       ("exclusiveMinimum", float.__gt__), ("minimum", float.__ge__)):
+            node = float_exclusive_bounds({"type": "number", kw: b})
+            new_kw = "maximum" if "aximum" in kw else "minimum"
+            new = Decimal(repr(node[new_kw]))
+            assert len(new.normalize().as_tuple().digits) <= 15
+            for d in (new, new + (Decimal(-1) if new_kw == "maximum" else 1) * abs(new) / 10**20):
+                assert op(float(d), float(b)), (kw, b, d)
