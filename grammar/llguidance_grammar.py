@@ -45,6 +45,7 @@ from formwork.grammar.schema_formats import (
 from formwork.grammar.schema_normalize import map_subschemas, normalize
 from formwork.grammar.schema_oneof import inferred_types, pairwise_disjoint
 from formwork.grammar.schema_pattern_names import pattern_name_issues, portable_pattern_names
+from formwork.grammar.schema_rules import duplicate_name_issues
 from formwork.grammar.schema_closing import close_declared_objects, drop_legacy_ref_siblings
 from formwork.grammar.schema_walk import iter_nodes, map_ref_targets, validator_class
 from formwork.grammar.structural_tag import triggered_tags
@@ -177,6 +178,15 @@ def _refuse_float_multiples(schema: Any) -> None:
                                    f"floating point, where {why}")], "llguidance")
 
 
+def _refuse_duplicate_name_counts(schema: Any, params: StructuredOutputsParams) -> None:
+    """`duplicate_name_issues` on the objects as generated (closed by default)."""
+    generated = _closed(schema, params)
+    issues = [SchemaIssue(kw, sn.path, detail) for sn in iter_nodes(generated)
+              for kw, detail in duplicate_name_issues(sn.schema, open_by_default=True)]
+    if issues:
+        raise UnsupportedSchemaError(issues, "llguidance")
+
+
 def _disputed_pattern_names(schema: Any) -> list[SchemaIssue]:
     """What `portable_pattern_names` cannot serve exactly (schema_pattern_names.py)."""
     return [SchemaIssue(kw, sn.path, detail) for sn in iter_nodes(schema)
@@ -237,6 +247,7 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
         raise UnsupportedSchemaError([SchemaIssue("false", "$", "the schema admits no value")],
                                      "llguidance")
     _refuse_float_multiples(schema)
+    _refuse_duplicate_name_counts(schema, params)
     if _disputed_pattern_names(schema):      # `allOf` beside it, say: merged, it may pass
         merged = normalize(schema, exact_false=True)
         if _disputed_pattern_names(merged):

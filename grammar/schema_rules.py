@@ -113,6 +113,27 @@ def common_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     return out
 
 
+def duplicate_name_issues(node: dict, open_by_default: bool) -> Issues:
+    """`minProperties` of 2 or more where undeclared or patterned names make up the
+    count: the backends do not keep generated names apart, so `{"a": 1, "a": 2}`
+    passed `minProperties: 2` in the mask, and jsonschema (like every JSON parser
+    that keeps the last value) sees one name. `open_by_default`: the backend
+    generates undeclared names where the node says nothing about them."""
+    least = node.get("minProperties")
+    if not isinstance(least, int) or isinstance(least, bool) or least < 2:
+        return []
+    extra = node.get("additionalProperties", True if open_by_default else False)
+    if extra is False and not node.get("patternProperties"):
+        return []
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    if len({r for r in required if r in props}) >= least:
+        return []                    # the declared, required names alone make the count
+    return [("minProperties", "a repeated undeclared name could make up the count "
+                              "(generated names are not kept apart; jsonschema counts each "
+                              "name once)")]
+
+
 def ref_issues(node: dict, root: Any) -> Issues:
     ref = node.get("$ref")
     if ref is None:
@@ -176,6 +197,7 @@ def xgrammar_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
         m = node["multipleOf"]
         if node.get("type") != "integer" or bounded or not float(m).is_integer():
             out.append(("multipleOf", "only enforced on an integer type without bounds"))
+    out += duplicate_name_issues(node, open_by_default=False)
     if node.get("patternProperties"):
         out.append(("patternProperties", "xgrammar compiles a property-name pattern as loosely "
                                          "as a `pattern` (^a(bc+)?$ admits the name \"acc\")"))

@@ -877,3 +877,33 @@ def test_float_exclusive_bounds_claim():
             assert len(new.normalize().as_tuple().digits) <= 15
             for d in (new, new + (Decimal(-1) if new_kw == "maximum" else 1) * abs(new) / 10**20):
                 assert op(float(d), float(b)), (kw, b, d)
+
+
+@pytest.mark.parametrize("schema,served", [
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, False),
+    ({"type": "object", "patternProperties": {"^k\\d$": {"type": "integer"}},
+      "additionalProperties": False, "minProperties": 2}, False),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1}, True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "required": ["a", "b"],
+      "additionalProperties": {"type": "integer"}, "minProperties": 2}, True),
+])
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_min_properties_not_made_up_by_a_repeated_name(schema, served, backend, compile_for,
+                                                       tokenizer, vocab):
+    """The backends do not keep generated names apart: `{"a": 1, "a": 2}` passed
+    `minProperties: 2` in the mask (llguidance and xgrammar), and jsonschema sees
+    one name. Refused where undeclared or patterned names could make up a count of
+    2 or more; served where the count is 1 or required declared names make it."""
+    params = P(json=schema, backend=backend)
+    if backend == "xgrammar" and "patternProperties" in schema:
+        served = False
+    if not served:
+        with pytest.raises(UnsupportedSchemaError) as info:
+            compile_for(params)
+        assert {i.keyword for i in info.value.issues} & {"minProperties", "patternProperties"}
+        return
+    _, compiled = compile_for(params)
+    for text in ('{"x": 1, "x": 2}', '{"a": 1, "b": 2}', '{"a": 1, "b": 2, "x": 3}'):
+        if accepts(compiled, tokenizer, vocab, text):
+            assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
