@@ -147,8 +147,10 @@ def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
 
 
 def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
+    generated = _closed(schema, params)
+    _refuse_duplicate_name_counts(generated)
     return llg.LLMatcher.grammar_from_json_schema(
-        _closed(schema, params), defaults=json_options(params), overrides=_SOUND)
+        generated, defaults=json_options(params), overrides=_SOUND)
 
 
 def _float_multiple(node: dict) -> dict:
@@ -178,9 +180,8 @@ def _refuse_float_multiples(schema: Any) -> None:
                                    f"floating point, where {why}")], "llguidance")
 
 
-def _refuse_duplicate_name_counts(schema: Any, params: StructuredOutputsParams) -> None:
+def _refuse_duplicate_name_counts(generated: Any) -> None:
     """`duplicate_name_issues` on the objects as generated (closed by default)."""
-    generated = _closed(schema, params)
     issues = [SchemaIssue(kw, sn.path, detail) for sn in iter_nodes(generated)
               for kw, detail in duplicate_name_issues(sn.schema, open_by_default=True)]
     if issues:
@@ -247,7 +248,6 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
         raise UnsupportedSchemaError([SchemaIssue("false", "$", "the schema admits no value")],
                                      "llguidance")
     _refuse_float_multiples(schema)
-    _refuse_duplicate_name_counts(schema, params)
     if _disputed_pattern_names(schema):      # `allOf` beside it, say: merged, it may pass
         merged = normalize(schema, exact_false=True)
         if _disputed_pattern_names(merged):
