@@ -180,9 +180,18 @@ def _refuse_float_multiples(schema: Any) -> None:
                                    f"floating point, where {why}")], "llguidance")
 
 
+# Subschemas an instance is tested against, never generated from.
+_TESTED_ONLY = ("if", "not", "propertyNames")
+
+
 def _refuse_duplicate_name_counts(generated: Any) -> None:
-    """`duplicate_name_issues` on the objects as generated (closed by default)."""
+    """`duplicate_name_issues` on the objects as generated (closed by default);
+    conditions (`if`, `not`, `propertyNames`) generate nothing and are skipped."""
+    tested = {id(sub.schema) for sn in iter_nodes(generated)
+              for key in _TESTED_ONLY if isinstance(sn.schema.get(key), dict)
+              for sub in iter_nodes(sn.schema[key])}
     issues = [SchemaIssue(kw, sn.path, detail) for sn in iter_nodes(generated)
+              if id(sn.schema) not in tested
               for kw, detail in duplicate_name_issues(sn.schema, open_by_default=True)]
     if issues:
         raise UnsupportedSchemaError(issues, "llguidance")
@@ -253,17 +262,24 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
         if _disputed_pattern_names(merged):
             raise UnsupportedSchemaError(_disputed_pattern_names(schema), "llguidance")
         schema = merged
-    grammar = _json_grammar(schema, params)
-    error = _grammar_error(grammar) or _one_of_error(schema, params)
+    refusal: UnsupportedSchemaError | None = None
+    try:
+        grammar = _json_grammar(schema, params)
+        error = _grammar_error(grammar) or _one_of_error(schema, params)
+    except UnsupportedSchemaError as e:   # formwork's own refusal; a rewrite may avoid it
+        refusal, error = e, str(e)
     if not error:
         return schema, grammar
     normalized = normalize(schema, exact_false=True)
     for rewritten in (normalized, _disjoint_one_of_as_any_of(_state_types(normalized), params)):
         if rewritten is not schema and isinstance(rewritten, dict):
-            grammar = _json_grammar(rewritten, params)
+            try:
+                grammar = _json_grammar(rewritten, params)
+            except UnsupportedSchemaError:
+                continue
             if not _grammar_error(grammar) and not _one_of_error(rewritten, params):
                 return rewritten, grammar
-    raise _schema_error(schema, error)
+    raise refusal or _schema_error(schema, error)
 
 
 def _checked_json(schema: Any, params: StructuredOutputsParams) -> str:
