@@ -37,8 +37,8 @@ from formwork.grammar.schema_formats import (
     backend_format,
     bound_truncations,
     exact_dates,
-    float_exclusive_bounds,
     float_multiple_of,
+    float_safe_bounds,
     is_number,
     raise_lowest_bound,
 )
@@ -133,12 +133,12 @@ def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
     formats as llguidance serves them (`backend_format`), pattern classes as both
     ECMA-262 and Python's `re` read them (regex_classes.py), in `patternProperties`
     names too (schema_pattern_names.py), exclusive bounds on numbers as the floats
-    inside them (`float_exclusive_bounds`), and the numbers llguidance's range regex
+    inside them (`float_safe_bounds`), and the numbers llguidance's range regex
     refuses under a bound added back (`bound_truncations`)."""
     if isinstance(schema, dict):
         draft3 = validator_class(schema) is jsonschema.Draft3Validator
         schema = map_subschemas(schema, lambda n: bound_truncations(_float_multiple(
-            portable_pattern_names(portable_pattern(raise_lowest_bound(float_exclusive_bounds(
+            portable_pattern_names(portable_pattern(raise_lowest_bound(float_safe_bounds(
                 exact_dates(backend_format(n, FORMATS, draft3), draft3)), LOWEST_BOUND))))))
     schema = drop_legacy_ref_siblings(schema)
     if params.additional_properties == "declared":

@@ -11,7 +11,7 @@ backend implements only in part (applied by the backend to what it compiles):
   stricter); the backend's own format admitted all three kinds.
 - `float_multiple_of`: a decimal `multipleOf` such as 0.01 keeps to the numbers
   that jsonschema's float check passes too (below).
-- `float_exclusive_bounds`: numeric bounds as inclusive ones of at most 15
+- `float_safe_bounds`: numeric bounds as inclusive ones of at most 15
   significant digits, just inside the original (below);
 - `bound_truncations`: the numbers llguidance's range regex refuses under a
   bound with fraction digits (0.9 under `maximum: 0.95`), added back.
@@ -121,7 +121,7 @@ def raise_lowest_bound(node: dict, lowest: int) -> dict:
 _BOUND_DIGITS = 15
 
 
-def float_exclusive_bounds(node: dict) -> dict:
+def float_safe_bounds(node: dict) -> dict:
     """Numeric bounds of a node that may be a non-integer number, as inclusive
     bounds of at most 15 significant digits that every reading keeps to: stricter
     by at most one unit in the 15th digit.
