@@ -132,8 +132,8 @@ def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
     """`schema` as generated: objects closed to their declared properties by default,
     formats as llguidance serves them (`backend_format`), pattern classes as both
     ECMA-262 and Python's `re` read them (regex_classes.py), in `patternProperties`
-    names too (schema_pattern_names.py), exclusive bounds on numbers as the floats
-    inside them (`float_safe_bounds`), and the numbers llguidance's range regex
+    names too (schema_pattern_names.py), numeric bounds as 15-digit inclusive ones
+    just inside them (`float_safe_bounds`), and the numbers llguidance's range regex
     refuses under a bound added back (`bound_truncations`)."""
     if isinstance(schema, dict):
         draft3 = validator_class(schema) is jsonschema.Draft3Validator

@@ -16,7 +16,9 @@ xgrammar 0.2.9 / outlines-core 0.2.14 (both ignore silently unless noted):
   minLength/maxLength next to pattern/format,
   multipleOf unless on a bounded-free integer, patternProperties (its names
   are compiled by the same loose converter as `pattern`: `^a(bc+)?$` admitted
-  the name "acc"), propertyNames next to properties;
+  the name "acc"), propertyNames next to properties, minProperties of 2 or
+  more that an `additionalProperties` schema's names could make up (a name may
+  repeat: `{"a": 1, "a": 2}` passed `minProperties: 2`);
 - outlines: a property that admits any value (`{}`: the regex it builds lacks
   parentheses), `\\D`/`\\W` inside a class (its classes are Unicode-aware;
   other `\\d`/`\\w` are spelled out as ASCII before it sees them), every numeric bound, multipleOf, min/maxProperties, allOf,
