@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from formwork.grammar.utf8_guard import INVALID
+from formwork.grammar.utf8_guard import INVALID, ByteGuard
 from formwork.grammar.vocab import TokenVocab
 
 _STATES = 4
@@ -54,7 +54,7 @@ def advance(state: int, data: bytes) -> int:
     return state
 
 
-class SurrogateEscapeGuard:
+class SurrogateEscapeGuard(ByteGuard):
     """Per vocabulary: allowed-token rows and next states for each automaton state."""
 
     def __init__(self, vocab: TokenVocab):
@@ -82,8 +82,3 @@ class SurrogateEscapeGuard:
             if state == INVALID:
                 return INVALID
         return state
-
-    def restrict(self, bitmask: torch.Tensor, row: int, state: int) -> None:
-        """AND the mask's `row` with the tokens allowed in `state`."""
-        if state or self.state0_refuses:
-            bitmask[row].bitwise_and_(self.rows[state, : bitmask.shape[1]])

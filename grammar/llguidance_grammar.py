@@ -257,10 +257,11 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
         raise UnsupportedSchemaError([SchemaIssue("false", "$", "the schema admits no value")],
                                      "llguidance")
     _refuse_float_multiples(schema)
-    if _disputed_pattern_names(schema):      # `allOf` beside it, say: merged, it may pass
+    disputed = _disputed_pattern_names(schema)
+    if disputed:                             # `allOf` beside it, say: merged, it may pass
         merged = normalize(schema, exact_false=True)
         if _disputed_pattern_names(merged):
-            raise UnsupportedSchemaError(_disputed_pattern_names(schema), "llguidance")
+            raise UnsupportedSchemaError(disputed, "llguidance")
         schema = merged
     refusal: UnsupportedSchemaError | None = None
     try:

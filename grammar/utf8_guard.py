@@ -67,7 +67,24 @@ def advance(state: int, data: bytes) -> int:
     return state
 
 
-class Utf8Guard:
+class ByteGuard:
+    """A byte automaton over a matcher's output: per state, a bitmask row of the
+    tokens allowed (`rows`, little-endian int32 words as `allowed_mask` reads them)
+    and `step` to the state after some tokens (INVALID if one is refused)."""
+
+    rows: torch.Tensor
+    state0_refuses: bool        # does the start state refuse any token?
+
+    def step(self, state: int, token_ids: Sequence[int]) -> int:
+        raise NotImplementedError
+
+    def restrict(self, bitmask: torch.Tensor, row: int, state: int) -> None:
+        """AND the mask's `row` with the tokens allowed in `state`."""
+        if state or self.state0_refuses:
+            bitmask[row].bitwise_and_(self.rows[state, : bitmask.shape[1]])
+
+
+class Utf8Guard(ByteGuard):
     """Per vocabulary: allowed-token rows and next states for each decoder state."""
 
     def __init__(self, vocab: TokenVocab):
@@ -104,8 +121,3 @@ class Utf8Guard:
                 return INVALID
             state = end
         return state
-
-    def restrict(self, bitmask: torch.Tensor, row: int, state: int) -> None:
-        """AND the mask's `row` with the tokens allowed in `state`."""
-        if state or self.state0_refuses:
-            bitmask[row].bitwise_and_(self.rows[state, : bitmask.shape[1]])

@@ -24,11 +24,10 @@ from formwork.grammar.schema_check import (
 )
 from formwork.grammar.escape_guard import SurrogateEscapeGuard
 from formwork.grammar.structural_tag import structural_tag_spec
-from formwork.grammar.utf8_guard import INVALID, Utf8Guard
+from formwork.grammar.utf8_guard import INVALID, ByteGuard, Utf8Guard
 from formwork.grammar.vocab import TokenVocab, VocabKind
 from formwork.schemas.structured import StructuredOutputsParams
 
-Guard = Utf8Guard | SurrogateEscapeGuard
 # Constraints whose output is JSON (a structural tag's free text too: escape_guard.py)
 _JSON_KINDS = ("json", "json_object", "structural_tag")
 
@@ -119,7 +118,7 @@ class XGrammarMatcher(Matcher):
     (utf8_guard), no surrogate escapes in JSON (escape_guard)."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int,
-                 guards: tuple[Guard, ...]):
+                 guards: tuple[ByteGuard, ...]):
         self.native = xgr.GrammarMatcher(compiled)
         self._eos = eos_token_id
         self._guards = guards
@@ -175,7 +174,7 @@ class XGrammarCompiled(CompiledGrammar):
     backend_name = "xgrammar"
 
     def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int,
-                 guards: tuple[Guard, ...]):
+                 guards: tuple[ByteGuard, ...]):
         self.native = compiled
         self._eos = eos_token_id
         self._guards = guards
@@ -212,7 +211,7 @@ class XGrammarBackend(GrammarBackend):
 
     def compile(self, params: StructuredOutputsParams) -> XGrammarCompiled:
         grammar = to_xgrammar(params)
-        guards: tuple[Guard, ...] = (self._utf8_guard,)
+        guards: tuple[ByteGuard, ...] = (self._utf8_guard,)
         if params.kind() in _JSON_KINDS:
             guards += (self._escape_guard,)
         return XGrammarCompiled(self._compiler.compile_grammar(grammar), self._eos, guards)
