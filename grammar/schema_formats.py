@@ -119,6 +119,7 @@ def raise_lowest_bound(node: dict, lowest: int) -> dict:
 # Significant digits of a numeric bound llguidance reads exactly: past 15 it rounds
 # the bound (measured: `maximum: 0.19999999999999998` admitted 0.199999999999999981).
 _BOUND_DIGITS = 15
+_BOUND_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 
 
 def float_safe_bounds(node: dict) -> dict:
@@ -138,7 +139,7 @@ def float_safe_bounds(node: dict) -> dict:
     upward. Draft 4's boolean `exclusiveMinimum`/`exclusiveMaximum` are read as
     such. A number written without a fraction reads as an exact int, so
     integer-only nodes are left alone."""
-    if node.get("type") in ("integer", ["integer"]):
+    if node.get("type") in ("integer", ["integer"]) or not _BOUND_KEYWORDS & node.keys():
         return node
     out = dict(node)
     for exclusive, inclusive, upper in (("exclusiveMinimum", "minimum", False),
@@ -190,24 +191,26 @@ def bound_truncations(node: dict) -> dict:
     for bound, away in ((hi, 1), (lo, -1)):
         if not is_number(bound) or not math.isfinite(bound) or bound * away <= 0:
             continue
-        digits = Decimal(repr(float(bound))).as_tuple().exponent
-        for places in range(1, -digits if isinstance(digits, int) else 0):
-            cut = float(Decimal(repr(float(bound))).quantize(Decimal(1).scaleb(-places),
-                                                            rounding=ROUND_DOWN))
+        value = Decimal(repr(float(bound)))
+        for places in range(1, -value.as_tuple().exponent):
+            cut = float(value.quantize(Decimal(1).scaleb(-places), rounding=ROUND_DOWN))
             inside = (not is_number(lo) or cut >= lo) and (not is_number(hi) or cut <= hi)
-            if inside and cut != bound and (m is None or _float_divides(cut, m)):
+            if inside and cut != bound and (m is None or _divides(cut, m)):
                 values.append(cut)
     if not values:
         return node
     return {"anyOf": [node, {"type": "number", "enum": sorted(set(values))}]}
 
 
-def _float_divides(value: float, m: Any) -> bool:
-    """jsonschema's multipleOf test for a float instance."""
+def _divides(value: float, m: Any) -> bool:
+    """jsonschema's multipleOf test for a float instance (an enum value is not
+    checked by the backend, so it must pass the judge's own test)."""
     if not is_number(m) or m <= 0:
         return False
-    quotient = value / m
-    return math.isfinite(quotient) and int(quotient) == quotient
+    if isinstance(m, float):
+        quotient = value / m
+        return math.isfinite(quotient) and int(quotient) == quotient
+    return value % m == 0
 
 
 def is_number(x: Any) -> bool:
