@@ -4,28 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from formwork.grammar.regex_safety import has_top_level_alternation
+
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
-
-
-def _has_top_level_alternation(pattern: str) -> bool:
-    """A `|` outside every group and character class (escapes skipped)."""
-    depth, i, in_class = 0, 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 1
-        elif in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            i += 1 if pattern[i + 1:i + 2] == "^" else 0
-            i += 1 if pattern[i + 1:i + 2] == "]" else 0
-        elif c in "()":
-            depth += 1 if c == "(" else -1
-        elif c == "|" and depth == 0:
-            return True
-        i += 1
-    return False
 
 
 def _atom(pattern: str, i: int) -> tuple[bool, str | None, int]:
@@ -52,7 +33,7 @@ def literal_prefix(pattern: Any) -> list[str | None] | None:
     """The characters every match of a `^`-anchored pattern starts with, one
     entry per code point (None: some character), or None if not provable."""
     if not isinstance(pattern, str) or not pattern.startswith("^") \
-            or _has_top_level_alternation(pattern):
+            or has_top_level_alternation(pattern):
         return None
     out: list[str | None] = []
     i = 1
