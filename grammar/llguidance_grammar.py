@@ -17,6 +17,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
+from fractions import Fraction
 from typing import Any
 
 import jsonschema
@@ -161,8 +162,8 @@ def _float_multiple(node: dict) -> dict:
 
 
 def _refuse_float_multiples(schema: Any) -> None:
-    """A decimal multipleOf `float_multiple_of` cannot serve, or serves with integers
-    where the node's bounds hold none, is refused naming it."""
+    """A decimal multipleOf `float_multiple_of` cannot serve, or narrows to a step
+    of which the node's bounds hold no multiple, is refused naming it."""
     for sn in iter_nodes(schema):
         narrowed = float_multiple_of(sn.schema)
         m = sn.schema.get("multipleOf")
@@ -170,9 +171,9 @@ def _refuse_float_multiples(schema: Any) -> None:
             why = "no decimal multiple of it can be relied on to divide exactly (not even " \
                   "integers); use a power-of-two fraction (0.5, 0.25), one within 2^-54 of " \
                   "its float (0.01, 0.1), or an integer"
-        elif narrowed is not sn.schema and not _integer_multiple_within(sn.schema, narrowed):
-            why = f"only integer multiples of {narrowed['multipleOf']} divide exactly, and " \
-                  "the bounds here hold none"
+        elif narrowed is not sn.schema and not _multiple_within(sn.schema, narrowed):
+            why = f"only the multiples of {narrowed['multipleOf']} can be relied on to " \
+                  "divide exactly, and the bounds here hold none"
         else:
             continue
         raise UnsupportedSchemaError([SchemaIssue(
@@ -203,18 +204,21 @@ def _disputed_pattern_names(schema: Any) -> list[SchemaIssue]:
             for kw, detail in pattern_name_issues(sn.schema)]
 
 
-def _integer_multiple_within(node: dict, narrowed: dict) -> bool:
-    step = narrowed["multipleOf"]
+def _multiple_within(node: dict, narrowed: dict) -> bool:
+    """Whether the node's bounds hold a multiple of the narrowed step (exact)."""
+    step = Fraction(narrowed["multipleOf"])
     lo = hi = None
     for kw, exclusive in (("minimum", False), ("exclusiveMinimum", True)):
         v = node.get(kw)
-        if is_number(v):
-            first = (math.floor(v / step) + 1) * step if exclusive else math.ceil(v / step) * step
+        if is_number(v) and math.isfinite(v):
+            q = Fraction(v) / step
+            first = (math.floor(q) + 1 if exclusive else math.ceil(q)) * step
             lo = first if lo is None else max(lo, first)
     for kw, exclusive in (("maximum", False), ("exclusiveMaximum", True)):
         v = node.get(kw)
-        if is_number(v):
-            last = (math.ceil(v / step) - 1) * step if exclusive else math.floor(v / step) * step
+        if is_number(v) and math.isfinite(v):
+            q = Fraction(v) / step
+            last = (math.ceil(q) - 1 if exclusive else math.floor(q)) * step
             hi = last if hi is None else min(hi, last)
     return lo is None or hi is None or lo <= hi
 

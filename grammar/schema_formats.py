@@ -24,8 +24,6 @@ from decimal import ROUND_CEILING, ROUND_DOWN, ROUND_FLOOR, Decimal
 from fractions import Fraction
 from typing import Any
 
-_TYPES = ("null", "boolean", "object", "array", "string", "integer")   # all but number
-
 
 # Formats some JSON Schema draft defines; draft 3's own are honoured only there.
 SPEC_FORMATS = frozenset({
@@ -227,12 +225,16 @@ def float_multiple_of(node: dict) -> dict | None:
     and 0.3 fail (321 of the first 1,999 multiples of 0.01), although the backend,
     reading decimals, generates them. Where float(m) is m exactly (0.5, 0.125, 2.5)
     every multiple divides exactly: unchanged. Otherwise, if float(m) is within 2^-54
-    of m (relative: 0.01, 0.1, 0.05, 0.3, 0.001, 1e-06, ...), the quotient of an
-    integer multiple N of m rounds to N itself (its error, N * 2^-54, is under half
-    an ulp of N), so the node keeps to integers that are multiples of m (`multipleOf`
-    the numerator of m as a reduced decimal fraction; `number` becomes `integer`):
-    stricter, and valid under both readings. Past 2^-54 (0.07, 0.7, 1e-05) even
-    integers fail (checked: 42,713 of 200,000 for 0.7): None."""
+    of m (relative: 0.01, 0.1, 0.05, 0.3, 0.001, 1e-06, ...), then for every float v
+    that is exactly a decimal multiple N of m the quotient v / float(m) rounds to N
+    itself (its error, N * 2^-54, is under half an ulp of N). The decimal multiples
+    that are floats exactly are the multiples of p / 2^a, where m = p / (2^a 5^b)
+    reduced (0.01 = 1/100: the quarters; 0.1: the halves; 0.3: multiples of 1.5;
+    0.001: eighths); and past 2^51, where floats are spaced wider than that, every
+    float is such a multiple. So a number node keeps to multiples of p / 2^a
+    (integer nodes to multiples of p): stricter, and valid under both readings.
+    Past 2^-54 (0.07, 0.7, 1e-05) even integers fail (checked: 42,713 of 200,000
+    for 0.7): None."""
     m = node.get("multipleOf")
     if not isinstance(m, float) or m <= 0 or m.is_integer():
         return node
@@ -242,8 +244,10 @@ def float_multiple_of(node: dict) -> dict | None:
         return node
     if error > Fraction(1, 2 ** 54):
         return None
+    twos = decimal.denominator & -decimal.denominator       # 2^a
     t = node.get("type")
-    types = list(_TYPES) if t is None else [t] if isinstance(t, str) else list(t)
-    types = list(dict.fromkeys("integer" if x == "number" else x for x in types))
-    return node | {"multipleOf": decimal.numerator,
-                   "type": types[0] if len(types) == 1 else types}
+    numbers = t is None or t == "number" or isinstance(t, list) and "number" in t
+    step = Fraction(decimal.numerator, twos) if numbers else Fraction(decimal.numerator)
+    if step.denominator > 1 and Fraction(float(step)) != step:
+        return None                     # a numerator past 2^53: no float says it
+    return node | {"multipleOf": int(step) if step.denominator == 1 else float(step)}

@@ -584,9 +584,11 @@ def test_a_class_generates_only_what_python_and_ecma_both_match(backend, kind, c
 
 
 @pytest.mark.parametrize("m,texts", [
-    (0.01, {"20": True, "19.99": False, "0.07": False, "0": True, "-3": True}),
-    (0.1, {"3": True, "0.3": False, "0.7": False}),
-    (0.3, {"3": True, "6": True, "0.9": False, "1": False}),
+    (0.01, {"20": True, "19.99": False, "0.07": False, "0": True, "-3": True, "20.25": True,
+            "0.50": True, "-1.75": True, "1230.55": False}),
+    (0.1, {"3": True, "0.3": False, "0.7": False, "2.5": True, "0.25": False}),
+    (0.3, {"3": True, "6": True, "0.9": False, "1": False, "1.5": True, "4.5": True}),
+    (0.001, {"0.125": True, "2.375": True, "0.001": False, "0.250": True}),
     (0.25, {"0.75": True, "1.25": True, "0.3": False}),
     (1.5, {"4.5": True, "3": True, "2": False}),
 ])
@@ -595,7 +597,8 @@ def test_decimal_multiple_of_keeps_to_what_jsonschema_passes(m, texts, compile_f
     """jsonschema checks a float multipleOf in binary floating point: 19.99 / 0.01 is
     1998.9999999999998, so a price the backend wrote (reading decimals) failed
     validation. Texts accepted exactly when jsonschema passes them or, for 0.01-like
-    steps, when they are also integers; walks validate."""
+    steps, when they are also multiples of the dyadic step that `float_multiple_of`
+    keeps to (quarters for 0.01); walks validate and reach a fraction."""
     schema = {"type": "number", "multipleOf": m}
     name, compiled = compile_for(P(json=schema, whitespace="compact"))
     assert name == "llguidance"
@@ -603,13 +606,20 @@ def test_decimal_multiple_of_keeps_to_what_jsonschema_passes(m, texts, compile_f
         assert accepts(compiled, tokenizer, vocab, text) == expected, text
         if expected:
             assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
-    for text in _walk_outputs(compiled, vocab, random.Random(str(m))):
+    outputs = list(_walk_outputs(compiled, vocab, random.Random(str(m))))
+    for text in outputs:
         assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+    if m != 0.3:                            # 1.5 and its multiples: fractions are rarer
+        assert any(not float(json.loads(t)).is_integer() for t in outputs), outputs
 
 
 @pytest.mark.parametrize("schema,served", [
     ({"type": "number", "multipleOf": 0.07}, False),      # integers fail too: 0.07 * 100 ...
-    ({"type": "number", "multipleOf": 0.01, "minimum": 0.5, "maximum": 0.99}, False),
+    ({"type": "number", "multipleOf": 0.01, "minimum": 0.51, "maximum": 0.74}, False),
+    ({"type": "number", "multipleOf": 0.01, "exclusiveMinimum": 0.5, "exclusiveMaximum": 0.75},
+     False),
+    ({"type": "number", "multipleOf": 0.01, "minimum": 0.51, "maximum": 0.75}, True),
+    ({"type": "integer", "multipleOf": 0.01, "minimum": 0.25, "maximum": 0.75}, False),
     ({"type": "number", "multipleOf": 0.01, "minimum": 0.5, "maximum": 1}, True),
 ])
 def test_decimal_multiple_of_that_cannot_be_served_is_named(schema, served):
@@ -621,22 +631,31 @@ def test_decimal_multiple_of_that_cannot_be_served_is_named(schema, served):
     assert (info.value.issues[0].keyword, info.value.issues[0].path) == ("multipleOf", "$")
 
 
-@pytest.mark.parametrize("m", [0.01, 0.1, 0.05, 0.3, 0.001, 1e-06, 0.07, 0.7, 1e-05])
+@pytest.mark.parametrize("m", [0.01, 0.1, 0.05, 0.3, 0.001, 1e-06, 0.07, 0.7, 1e-05, 0.02, 1.1])
 def test_float_multiple_of_claim(m):
-    """Where float_multiple_of serves integers, jsonschema's own test passes every
-    integer multiple (200,000 checked); where it refuses, some integer fails."""
+    """Where float_multiple_of narrows the step, jsonschema's own test passes every
+    multiple of it (200,000 near zero, 20,000 past 2^50, where floats thin out) and
+    for an integer node every integer multiple; where it refuses, some integer fails."""
     from formwork.grammar.schema_formats import float_multiple_of
     narrowed = float_multiple_of({"type": "number", "multipleOf": m})
 
     def passes(v):                          # jsonschema's multipleOf for a float step
         return int(v / m) == v / m
     if narrowed is None:
+        assert float_multiple_of({"type": "integer", "multipleOf": m}) is None
         assert not all(passes(j) for j in range(1, 200_000))
         return
-    step = narrowed["multipleOf"]
-    assert narrowed["type"] == "integer" and isinstance(step, int)
-    assert all(passes(j * step) for j in range(-100_000, 100_000))
-    decimal = Fraction(repr(m))                 # and the decimal multiples: some fail
+    step = Fraction(narrowed["multipleOf"])
+    decimal = Fraction(repr(m))
+    assert step.denominator & (step.denominator - 1) == 0           # dyadic: floats say it
+    assert (step / decimal).denominator == 1                        # a decimal multiple
+    assert all(passes(float(j * step)) for j in range(-100_000, 100_000))
+    far = 2 ** 50 // step.numerator * step.numerator
+    assert all(passes(float(far + j * step)) for j in range(-10_000, 10_000))
+    integer = float_multiple_of({"type": "integer", "multipleOf": m})
+    assert integer["type"] == "integer" and isinstance(integer["multipleOf"], int)
+    assert all(passes(j * integer["multipleOf"]) for j in range(-100_000, 100_000))
+    # and the decimal multiples off the step: some fail
     assert not all(passes(float(k * decimal)) for k in range(1, 2000))
 
 
