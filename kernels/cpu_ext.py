@@ -4,11 +4,14 @@ torch's `cpp_extension.load_inline` with the machine's compiler and
 -march=native; the build is cached by torch under a name keyed by the CPU's
 feature flags and the source, so a changed source or another CPU rebuilds.
 A failed build returns None and is remembered: callers keep their torch path.
+`FORMWORK_CPU_MARCH` (e.g. `x86-64-v3`: AVX2 without AVX-512) builds for another
+CPU level than this machine's, so the paths other machines take can be tested here.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 
 log = logging.getLogger("formwork.kernels")
@@ -36,6 +39,9 @@ def build(name: str, source: str, functions: list[str], cflags: list[str] | None
         if name in _failures:
             return None
         flags = CFLAGS if cflags is None else cflags
+        march = os.environ.get("FORMWORK_CPU_MARCH")
+        if march:
+            flags = [f"-march={march}" if f == "-march=native" else f for f in flags]
         tag = hashlib.sha1((_cpu_flags() + " ".join(flags) + source).encode()).hexdigest()[:12]
         try:
             from torch.utils.cpp_extension import load_inline   # pulls in the build tooling
