@@ -27,6 +27,7 @@ def test_march_override_reaches_the_compiler(monkeypatch):
 
     from formwork.kernels import cpu_ext
     seen = []
+    monkeypatch.delenv("FORMWORK_CPU_MARCH", raising=False)
     monkeypatch.setattr(ext, "load_inline", lambda **kw: seen.append(kw) or object())
     monkeypatch.setattr(cpu_ext, "_built", {})
     cpu_ext.build("probe", "int f() { return 1; }", ["f"])
