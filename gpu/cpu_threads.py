@@ -30,6 +30,81 @@ SAMPLE_S = 1.0           # how often the governor looks
 OTHERS_THRESHOLD = 0.5   # a core counts as taken when others used more than this much of one
 
 
+def cpu_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """CPUs this process's cgroup may use by its CFS quota (the smallest along its
+    path; cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`), or None
+    when there is no quota or it cannot be read.
+
+    A container started with `--cpus 2` (or a Kubernetes pod with a 2-CPU limit)
+    on a 64-core host still sees 64 cores in its affinity mask; an OpenMP team of
+    64 spin-waiting threads under a 2-CPU quota is throttled at every barrier.
+    (The standard library has no such count: `os.process_cpu_count` is the
+    affinity mask.)"""
+    try:
+        with open(proc_cgroup) as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        entries = []
+    best = None
+    for _id, controllers, path in entries or [("0", "", "/")]:
+        if controllers == "":                                   # v2: the unified hierarchy
+            hybrid = os.path.join(root, "unified")              # (v1 beside it: mounted there)
+            base, files = (hybrid if os.path.isdir(hybrid) else root), ("cpu.max",)
+        elif "cpu" in controllers.split(","):                   # v1: the cpu controller's mount
+            base = next((os.path.join(root, d) for d in (controllers, "cpu,cpuacct", "cpu")
+                         if os.path.isdir(os.path.join(root, d))), None)
+            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            if base is None:
+                continue
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):       # the cgroup itself, then its ancestors
+            q = _read_quota(os.path.join(base, *parts[:depth]), files)
+            if q is not None:
+                best = q if best is None else min(best, q)
+    return best
+
+
+def _read_quota(directory: str, files: tuple[str, ...]) -> float | None:
+    try:
+        if len(files) == 1:
+            with open(os.path.join(directory, files[0])) as f:
+                quota, period = (f.read().split() + ["100000"])[:2]
+        else:
+            with open(os.path.join(directory, files[0])) as f:
+                quota = f.read().strip()
+            with open(os.path.join(directory, files[1])) as f:
+                period = f.read().strip()
+        if quota in ("max", "-1") or int(period) <= 0:
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _affinity_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on: its affinity mask, capped by its cgroup's
+    CPU quota (rounded down: a thread more than the quota waits at every barrier)."""
+    cores = _affinity_cores()
+    quota = cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, int(quota)))
+    return max(1, cores)
+
+
+def quota_limited() -> bool:
+    """A CPU quota, not the affinity mask, bounds this process: the cores it runs
+    on are shared with whoever else the host runs, so /proc/stat says nothing
+    about which of them are free (the governor stays off)."""
+    return usable_cpus() < _affinity_cores()
+
+
 def _cpu_busy_seconds(cpus: frozenset[int]) -> float | None:
     """Busy (non-idle, non-iowait) seconds summed over `cpus`, from /proc/stat."""
     try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from formwork.gpu import tp_worker
-from formwork.gpu.cpu_threads import ThreadGovernor
+from formwork.gpu.cpu_threads import ThreadGovernor, quota_limited
 from formwork.gpu.cuda_graph import DecodeGraphRunner, GraphFactory, capture_sizes, pick_graph_factory
 from formwork.gpu.model import ModelConfig
 from formwork.gpu.model_runner import ModelRunner
@@ -117,10 +117,11 @@ class Executor:
         if (threads := forward_threads(config)) is not None:
             torch.set_num_threads(threads)   # per-thread OpenMP setting: here, not the caller's
         self.device = pick_device(config.device, 0 if init_method is not None else None)
-        # under TP the other ranks are this machine's other processes: no governor
+        # under TP the other ranks are this machine's other processes, and under a
+        # cgroup CPU quota the host's cores are everyone's: no governor
         self.governor = (ThreadGovernor(torch.get_num_threads())
                          if config.adaptive_threads and self.device.type == "cpu"
-                         and init_method is None else None)
+                         and init_method is None and not quota_limited() else None)
         if init_method is not None:
             self._tp = TPGroup.init(0, config.tensor_parallel_size, init_method, self.device)
         st = build_rank(config, model_dir, self.device, self._tp)

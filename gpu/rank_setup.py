@@ -8,7 +8,6 @@ model and the KV tensors.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from formwork.gpu.attention import AttentionBackend, allocate_kv_cache, kv_cache_bytes_per_block
 from formwork.gpu.attention_select import get_attention_backend
 from formwork.gpu.cpu_linear import pack_linears, packing_supported
+from formwork.gpu.cpu_threads import usable_cpus
 from formwork.gpu.loader import load_model
 from formwork.gpu.model import CPU_FUSED_OPS, CUDA_FUSED_OPS, ModelConfig
 from formwork.gpu.tensor_parallel import TPGroup, shard_config
@@ -72,13 +72,17 @@ def pick_device(name: str, tp_rank: int | None = None) -> torch.device:
 
 
 def forward_threads(config: EngineConfig) -> int | None:
-    """Torch intra-op threads for one rank: the configured count, or (CPU,
-    tensor parallel) the cores shared out between the ranks; None: torch's default."""
+    """Torch intra-op threads for one rank: the configured count; or (CPU, tensor
+    parallel) the usable cores shared out between the ranks; or the usable cores
+    where a cgroup CPU quota leaves fewer than torch's default (which counts the
+    affinity mask: a 2-CPU container on a 64-core host); None: torch's default."""
     if config.num_threads:
         return config.num_threads
+    cores = usable_cpus()
     if config.tensor_parallel_size > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return max(1, (cores or 1) // config.tensor_parallel_size)
+        return max(1, cores // config.tensor_parallel_size)
+    if cores < torch.get_num_threads():
+        return cores
     return None
 
 

@@ -109,3 +109,54 @@ def test_grammar_bitmask_opens_no_openmp_team_off_the_forward_thread():
         return int(out.stdout.strip().splitlines()[-1])
     assert new_threads("torch.full") >= 1
     assert new_threads("bitmask") == 0
+
+
+def _cgroup_tree(tmp_path, cgroup_lines: str, files: dict[str, str]):
+    (tmp_path / "proc_cgroup").write_text(cgroup_lines)
+    for rel, text in files.items():
+        (tmp_path / "fs" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / rel).write_text(text)
+    return str(tmp_path / "fs"), str(tmp_path / "proc_cgroup")
+
+
+@pytest.mark.parametrize("lines,files,want", [
+    # cgroup v2, a container root with `--cpus 2`
+    ("0::/\n", {"cpu.max": "200000 100000\n", "cgroup.controllers": "cpu\n"}, 2.0),
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    # v2 nested: the tightest of the cgroup and its ancestors
+    ("0::/pod/ctr\n", {"cpu.max": "max 100000\n", "pod/cpu.max": "150000 100000\n",
+                       "pod/ctr/cpu.max": "400000 100000\n"}, 1.5),
+    # v1 (and hybrid: the v2 entry has no cpu.max there)
+    ("2:cpu,cpuacct:/docker/abc\n0::/\n",
+     {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000\n",
+      "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n", "unified/cgroup.controllers": ""}, 3.0),
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ("", {}, None),                                       # nothing readable: no quota
+])
+def test_cpu_quota_reads_cgroup_v1_and_v2(tmp_path, lines, files, want):
+    from formwork.gpu.cpu_threads import cpu_quota
+    root, proc = _cgroup_tree(tmp_path, lines, files)
+    assert cpu_quota(root, proc) == want
+
+
+def test_forward_threads_follow_a_cpu_quota_below_the_cores(monkeypatch):
+    """A 2-CPU container on a many-core host: the engine's team is 2 threads,
+    not one per core of the affinity mask; without a quota torch's default stays;
+    a set count wins; tensor-parallel ranks share the usable cores."""
+    import torch
+
+    from formwork.gpu import cpu_threads, rank_setup
+    from formwork.schemas.config import EngineConfig
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda _pid: set(range(64)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 32)
+    monkeypatch.setattr(cpu_threads, "cpu_quota", lambda: 2.5)
+    assert cpu_threads.usable_cpus() == 2 and cpu_threads.quota_limited()
+    assert rank_setup.forward_threads(EngineConfig()) == 2
+    assert rank_setup.forward_threads(EngineConfig(num_threads=5)) == 5
+    assert rank_setup.forward_threads(EngineConfig(tensor_parallel_size=2)) == 1
+    monkeypatch.setattr(cpu_threads, "cpu_quota", lambda: None)
+    assert cpu_threads.usable_cpus() == 64 and not cpu_threads.quota_limited()
+    assert rank_setup.forward_threads(EngineConfig()) is None
+    assert rank_setup.forward_threads(EngineConfig(tensor_parallel_size=2)) == 32
+    monkeypatch.setattr(cpu_threads, "cpu_quota", lambda: 0.3)
+    assert rank_setup.forward_threads(EngineConfig()) == 1
