@@ -16,6 +16,14 @@ import torch
 if not torch.cuda.is_available() and os.environ.get("FORMWORK_COMPILE_CHILD") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
 
+# The references (HF transformers, torch ops) run in this process: under a cgroup
+# CPU quota (a CI container on a many-core host) torch's default team of one thread
+# per host core would spin under a quota that lets a few run; use what the engine uses.
+from formwork.gpu.cpu_threads import usable_cpus  # noqa: E402
+
+if usable_cpus() < torch.get_num_threads():
+    torch.set_num_threads(usable_cpus())
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")
 
