@@ -14,6 +14,8 @@ backend's work split) adds it in a subclass of `AttentionMetadata`.
 """
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Self
 
@@ -91,10 +93,36 @@ class AttentionMetadata:
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device | str
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed (k_cache, v_cache) per layer, each [num_blocks, block_size, kvh, d]."""
+    """Zeroed (k_cache, v_cache) per layer, each [num_blocks, block_size, kvh, d].
+
+    On CPU each cache is an anonymous memory map: the kernel hands out zero pages
+    and commits one only when it is first written, so an idle engine with a 2 GB
+    cache holds the pages its requests have used, not 2 GB (`torch.zeros` writes
+    every page up front: an idle `formwork serve` engine held 3.0 GB, now 0.96).
+    The first write of each page costs a fault instead of the up-front memset:
+    the mixed offline workload's first pass (64 requests, fresh engine, every page
+    new) ran at 1,066 vs 1,063 tok/s, seven and eight runs alternating."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        return [(_zero_pages(shape, dtype), _zero_pages(shape, dtype)) for _ in range(num_layers)]
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+
+
+def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on fresh anonymous pages (page-aligned; the tensor keeps
+    the map alive), transparent huge pages asked for where the kernel offers them
+    (fewer faults and TLB misses for the attention's reads)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:               # a kernel without THP: 4 KB pages, as before
+            pass
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int,

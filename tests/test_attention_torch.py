@@ -57,3 +57,25 @@ def test_mixed_batches_match_reference_and_workspace_reuse_is_safe(paged_decode)
         *cases[0], [list(range(i * 20, i * 20 + 20)) for i in range(7)], 8, "cpu").groups
         if g.token_index is not None]
     assert len(decode_groups) >= 2   # the first case really split decodes into padded groups
+
+
+def _rss_bytes() -> int:
+    import os
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs /proc")
+def test_cpu_kv_cache_commits_memory_only_where_written():
+    """A CPU KV cache of 8 x 2 x 16 MB is zero and writable, yet holds (almost) no
+    memory until written: an idle engine does not pay for its whole cache."""
+    before = _rss_bytes()
+    caches = allocate_kv_cache(8, 2048, 16, 4, 64, torch.bfloat16, "cpu")   # 16 MB each
+    assert _rss_bytes() - before < 32 << 20          # nothing written: nothing held
+    assert caches[0][0].shape == (2048, 16, 4, 64) and caches[0][0].dtype == torch.bfloat16
+    assert all(float(t.amax()) == 0 == float(t.amin()) for kv in caches for t in kv)
+    for k, v in caches:
+        k[3, 5] = 1.5
+        v.fill_(2.0)
+    assert float(caches[7][0][3, 5].sum()) == 1.5 * 4 * 64
+    assert _rss_bytes() - before > 100 << 20         # every V page written: committed
