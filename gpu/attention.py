@@ -116,7 +116,10 @@ def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes)
+    # private: anonymous memory as malloc's (copy-on-write across a fork, and the
+    # transparent huge pages of anonymous memory); mmap's default, MAP_SHARED, is
+    # shmem-backed and takes neither
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)

@@ -59,17 +59,22 @@ def test_mixed_batches_match_reference_and_workspace_reuse_is_safe(paged_decode)
     assert len(decode_groups) >= 2   # the first case really split decodes into padded groups
 
 
+def _shmem_kb() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith("Pss_Shmem")), 0)
+
+
 def _rss_bytes() -> int:
     import os
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs /proc")
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps_rollup"), reason="needs /proc")
 def test_cpu_kv_cache_commits_memory_only_where_written():
     """A CPU KV cache of 8 x 2 x 16 MB is zero and writable, yet holds (almost) no
     memory until written: an idle engine does not pay for its whole cache."""
-    before = _rss_bytes()
+    before, shmem = _rss_bytes(), _shmem_kb()
     caches = allocate_kv_cache(8, 2048, 16, 4, 64, torch.bfloat16, "cpu")   # 16 MB each
     assert _rss_bytes() - before < 32 << 20          # nothing written: nothing held
     assert caches[0][0].shape == (2048, 16, 4, 64) and caches[0][0].dtype == torch.bfloat16
@@ -79,3 +84,6 @@ def test_cpu_kv_cache_commits_memory_only_where_written():
         v.fill_(2.0)
     assert float(caches[7][0][3, 5].sum()) == 1.5 * 4 * 64
     assert _rss_bytes() - before > 100 << 20         # every V page written: committed
+    # ... as private anonymous memory (as malloc's), not shmem: a fork copies on
+    # write, and the kernel's transparent huge pages for anonymous memory apply
+    assert _shmem_kb() - shmem < 16 << 10
