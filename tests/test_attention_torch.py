@@ -84,6 +84,5 @@ def test_cpu_kv_cache_commits_memory_only_where_written():
         v.fill_(2.0)
     assert float(caches[7][0][3, 5].sum()) == 1.5 * 4 * 64
     assert _rss_bytes() - before > 100 << 20         # every V page written: committed
-    # ... as private anonymous memory (as malloc's), not shmem: a fork copies on
-    # write, and the kernel's transparent huge pages for anonymous memory apply
+    # ... as private anonymous memory (as malloc's), not shmem: a fork copies on write
     assert _shmem_kb() - shmem < 16 << 10
