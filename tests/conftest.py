@@ -21,8 +21,8 @@ if not torch.cuda.is_available() and os.environ.get("FORMWORK_COMPILE_CHILD") !=
 # per host core would spin under a quota that lets a few run; use what the engine uses.
 from formwork.gpu.cpu_threads import usable_cpus  # noqa: E402
 
-if usable_cpus() < torch.get_num_threads():
-    torch.set_num_threads(usable_cpus())
+if (_cores := usable_cpus()) < torch.get_num_threads():
+    torch.set_num_threads(_cores)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")
