@@ -83,15 +83,16 @@ def _read_quota(directory: str, files: tuple[str, ...]) -> float | None:
         return None
 
 
-def _affinity_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else (os.cpu_count() or 1)
+def _affinity() -> frozenset[int]:
+    """The cores this process may run on (its affinity mask)."""
+    return frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else frozenset(range(os.cpu_count() or 1))
 
 
 def usable_cpus() -> int:
     """Cores this process may run on: its affinity mask, capped by its cgroup's
     CPU quota (rounded down: a thread more than the quota waits at every barrier)."""
-    cores = _affinity_cores()
+    cores = len(_affinity())
     quota = cpu_quota()
     if quota is not None:
         cores = min(cores, max(1, int(quota)))
@@ -102,7 +103,7 @@ def quota_limited() -> bool:
     """A CPU quota, not the affinity mask, bounds this process: the cores it runs
     on are shared with whoever else the host runs, so /proc/stat says nothing
     about which of them are free (the governor stays off)."""
-    return usable_cpus() < _affinity_cores()
+    return usable_cpus() < len(_affinity())
 
 
 def _cpu_busy_seconds(cpus: frozenset[int]) -> float | None:
@@ -135,8 +136,7 @@ class ThreadGovernor:
                  own_cpu=time.process_time, sample_s: float = SAMPLE_S) -> None:
         self.max_threads = max(1, max_threads)
         self.threads = self.max_threads
-        cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else frozenset(range(os.cpu_count() or 1))
+        cpus = _affinity()
         self._cpu_busy = cpu_busy or (lambda: _cpu_busy_seconds(cpus))
         self._own, self._clock, self._sample_s = own_cpu, clock, sample_s
         self._last = self._read()
