@@ -36,11 +36,11 @@ from formwork.grammar.schema_check import (
 )
 from formwork.grammar.schema_formats import (
     backend_format,
-    bound_truncations,
     exact_dates,
     float_multiple_of,
     float_safe_bounds,
     is_number,
+    number_forms,
     raise_lowest_bound,
 )
 from formwork.grammar.schema_normalize import map_subschemas, normalize
@@ -135,10 +135,11 @@ def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
     ECMA-262 and Python's `re` read them (regex_classes.py), in `patternProperties`
     names too (schema_pattern_names.py), numeric bounds as 15-digit inclusive ones
     just inside them (`float_safe_bounds`), and the numbers llguidance's range regex
-    refuses under a bound added back (`bound_truncations`)."""
+    refuses under a bound, or writes only with more fraction digits, added back
+    (`number_forms`)."""
     if isinstance(schema, dict):
         draft3 = validator_class(schema) is jsonschema.Draft3Validator
-        schema = map_subschemas(schema, lambda n: bound_truncations(_float_multiple(
+        schema = map_subschemas(schema, lambda n: number_forms(_float_multiple(
             portable_pattern_names(portable_pattern(raise_lowest_bound(float_safe_bounds(
                 exact_dates(backend_format(n, FORMATS, draft3), draft3)), LOWEST_BOUND))))))
     schema = drop_legacy_ref_siblings(schema)

@@ -14,7 +14,10 @@ backend implements only in part (applied by the backend to what it compiles):
 - `float_safe_bounds`: numeric bounds as inclusive ones of at most 15
   significant digits, just inside the original (below);
 - `bound_truncations`: the numbers llguidance's range regex refuses under a
-  bound with fraction digits (0.9 under `maximum: 0.95`), added back.
+  bound with fraction digits (0.9 under `maximum: 0.95`), added back;
+- `number_forms`: `bound_truncations`, and for a fractional `multipleOf` of two or
+  more digits (0.25) its multiples written with fewer digits (`10.5`, `10.0`)
+  added back: llguidance writes every fraction with exactly the step's digits.
 Inputs are not mutated.
 """
 from __future__ import annotations
@@ -198,6 +201,33 @@ def bound_truncations(node: dict) -> dict:
     if not values:
         return node
     return {"anyOf": [node, {"type": "number", "enum": sorted(set(values))}]}
+
+
+def number_forms(node: dict) -> dict:
+    """`bound_truncations(node)`, and for a plain number node whose `multipleOf` s
+    is a fraction of two or more digits, the same for 2s, 4s, ... beside it.
+
+    llguidance writes a multiple of s = 0.25 as an integer or with exactly two
+    fraction digits: `10.50` and `10.00`, never `10.5` or `10.0` (what `json.dumps`
+    and most writers print). With s = p / 2^a (p odd: a dyadic step, as
+    `float_multiple_of` leaves it) a multiple N*s whose N holds 2^k is a multiple
+    of 2^k * s, a step of exactly a - k digits, which llguidance writes in that many
+    digits. So `anyOf` of the node at s, 2s, ... 2^(a-1)s admits each multiple in
+    its shortest form and in a digits, and nothing else: every branch's numbers are
+    multiples of s (exact, not just stricter)."""
+    m = node.get("multipleOf")
+    if not isinstance(m, float) or m <= 0 or m.is_integer() \
+            or node.get("type") not in ("number", ["number"]) or not node.keys() <= _NUMBER_NODE:
+        return bound_truncations(node)
+    step = Fraction(m)
+    if step.denominator & (step.denominator - 1) or step.denominator == 2:
+        return bound_truncations(node)          # not dyadic, or already one digit
+    branches = []
+    while step.denominator > 1:
+        form = bound_truncations(node | {"multipleOf": float(step)})
+        branches += form["anyOf"] if "anyOf" in form else [form]
+        step *= 2
+    return {"anyOf": branches}
 
 
 def _divides(value: float, m: Any) -> bool:

@@ -585,11 +585,16 @@ def test_a_class_generates_only_what_python_and_ecma_both_match(backend, kind, c
 
 @pytest.mark.parametrize("m,texts", [
     (0.01, {"20": True, "19.99": False, "0.07": False, "0": True, "-3": True, "20.25": True,
-            "0.50": True, "-1.75": True, "1230.55": False}),
+            "0.50": True, "-1.75": True, "1230.55": False,
+            # the shorter forms of multiples (json.dumps writes 10.5 and 10.0)
+            "10.5": True, "10.0": True, "0.0": True, "-0.5": True, "19.9": False, "10.05": False,
+            "10.500": False}),
     (0.1, {"3": True, "0.3": False, "0.7": False, "2.5": True, "0.25": False}),
     (0.3, {"3": True, "6": True, "0.9": False, "1": False, "1.5": True, "4.5": True}),
-    (0.001, {"0.125": True, "2.375": True, "0.001": False, "0.250": True}),
-    (0.25, {"0.75": True, "1.25": True, "0.3": False}),
+    (0.001, {"0.125": True, "2.375": True, "0.001": False, "0.250": True, "0.25": True,
+             "0.5": True, "2.0": True, "0.1": False, "0.12": False}),
+    (0.25, {"0.75": True, "1.25": True, "0.3": False, "0.5": True, "7.0": True, "7.50": True,
+            "0.30": False}),
     (1.5, {"4.5": True, "3": True, "2": False}),
 ])
 def test_decimal_multiple_of_keeps_to_what_jsonschema_passes(m, texts, compile_for, tokenizer,
@@ -611,6 +616,19 @@ def test_decimal_multiple_of_keeps_to_what_jsonschema_passes(m, texts, compile_f
         assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
     if m != 0.3:                            # 1.5 and its multiples: fractions are rarer
         assert any(not float(json.loads(t)).is_integer() for t in outputs), outputs
+
+
+def test_shorter_forms_of_a_decimal_step_keep_its_bounds(compile_for, tokenizer, vocab):
+    """The branches that admit 10.5 and 10.0 under a quarter step carry the node's
+    bounds (and llguidance's bound truncations) like the step's own form."""
+    schema = {"type": "number", "multipleOf": 0.25, "minimum": 0.5, "maximum": 10.75}
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {
+        "0.5": True, "0.50": True, "10.5": True, "10.75": True, "10.0": True, "1": True,
+        "0.25": False, "11.0": False, "11": False, "10.8": False, "0.0": False})
+    for text in _walk_outputs(compiled, vocab, random.Random("quarter bounds")):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
 
 
 @pytest.mark.parametrize("schema,served", [
