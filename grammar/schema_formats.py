@@ -203,9 +203,20 @@ def bound_truncations(node: dict) -> dict:
     return {"anyOf": [node, {"type": "number", "enum": sorted(set(values))}]}
 
 
+# Keywords that hold subschemas or name a schema resource: a node carrying one is
+# not copied into `anyOf` branches (refs and anchors would resolve elsewhere).
+_NOT_COPIED = frozenset({
+    "$ref", "$dynamicRef", "$recursiveRef", "anyOf", "oneOf", "allOf", "not", "if", "then",
+    "else", "items", "prefixItems", "additionalItems", "contains", "properties",
+    "patternProperties", "additionalProperties", "propertyNames", "dependentSchemas",
+    "dependencies", "unevaluatedProperties", "unevaluatedItems", "$defs", "definitions", "$id",
+    "id", "$anchor", "$dynamicAnchor", "$recursiveAnchor", "$schema"})
+
+
 def number_forms(node: dict) -> dict:
-    """`bound_truncations(node)`, and for a plain number node whose `multipleOf` s
-    is a fraction of two or more digits, the same for 2s, 4s, ... beside it.
+    """`bound_truncations(node)`, and for a node typed `number` (alone or beside other
+    types, no subschemas) whose `multipleOf` s is a fraction of two or more digits,
+    the same node at 2s, 4s, ... beside it.
 
     llguidance writes a multiple of s = 0.25 as an integer or with exactly two
     fraction digits: `10.50` and `10.00`, never `10.5` or `10.0` (what `json.dumps`
@@ -214,10 +225,12 @@ def number_forms(node: dict) -> dict:
     of 2^k * s, a step of exactly a - k digits, which llguidance writes in that many
     digits. So `anyOf` of the node at s, 2s, ... 2^(a-1)s admits each multiple in
     its shortest form and in a digits, and nothing else: every branch's numbers are
-    multiples of s (exact, not just stricter)."""
+    multiples of s, and what is not a number each branch admits alike (exact, not
+    just stricter)."""
     m = node.get("multipleOf")
-    if not isinstance(m, float) or m <= 0 or m.is_integer() \
-            or node.get("type") not in ("number", ["number"]) or not node.keys() <= _NUMBER_NODE:
+    t = node.get("type")
+    if not isinstance(m, float) or m <= 0 or m.is_integer() or node.keys() & _NOT_COPIED \
+            or not (t == "number" or isinstance(t, list) and "number" in t):
         return bound_truncations(node)
     step = Fraction(m)
     if step.denominator & (step.denominator - 1) or step.denominator == 2:

@@ -618,16 +618,25 @@ def test_decimal_multiple_of_keeps_to_what_jsonschema_passes(m, texts, compile_f
         assert any(not float(json.loads(t)).is_integer() for t in outputs), outputs
 
 
-def test_shorter_forms_of_a_decimal_step_keep_its_bounds(compile_for, tokenizer, vocab):
-    """The branches that admit 10.5 and 10.0 under a quarter step carry the node's
-    bounds (and llguidance's bound truncations) like the step's own form."""
-    schema = {"type": "number", "multipleOf": 0.25, "minimum": 0.5, "maximum": 10.75}
+@pytest.mark.parametrize("schema,texts", [
+    ({"type": "number", "multipleOf": 0.25, "minimum": 0.5, "maximum": 10.75},
+     {"0.5": True, "0.50": True, "10.5": True, "10.75": True, "10.0": True, "1": True,
+      "0.25": False, "11.0": False, "11": False, "10.8": False, "0.0": False}),
+    # a nullable price with an annotation the plain-node rewrites do not know
+    ({"type": ["number", "null"], "multipleOf": 0.01, "example": "500.25"},
+     {"null": True, "5.0": True, "8.25": True, "100.5": True, "5.1": False, "19.99": False,
+      '"5"': False}),
+    ({"type": ["string", "number"], "multipleOf": 0.01, "maxLength": 2},
+     {'"ab"': True, '"abc"': False, "2.5": True, "2.50": True, "2.05": False}),
+])
+def test_shorter_forms_of_a_decimal_step_keep_the_node(schema, texts, compile_for, tokenizer,
+                                                       vocab):
+    """The branches that admit 10.5 and 10.0 under a quarter step carry the rest of
+    the node: its bounds (and llguidance's bound truncations), its other types."""
     name, compiled = compile_for(P(json=schema, whitespace="compact"))
     assert name == "llguidance"
-    judge(compiled, tokenizer, vocab, schema, {
-        "0.5": True, "0.50": True, "10.5": True, "10.75": True, "10.0": True, "1": True,
-        "0.25": False, "11.0": False, "11": False, "10.8": False, "0.0": False})
-    for text in _walk_outputs(compiled, vocab, random.Random("quarter bounds")):
+    judge(compiled, tokenizer, vocab, schema, texts)
+    for text in _walk_outputs(compiled, vocab, random.Random(json.dumps(schema))):
         assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
 
 
