@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import pathlib
 import random
@@ -39,20 +40,25 @@ def _key(schema) -> str:
 
 
 def known(folders: list[pathlib.Path]) -> tuple[set[str], set[str]]:
-    """(file names as MaskBench spells them, canonical schema texts) in `folders`."""
+    """(file names as MaskBench spells them, canonical schema texts) in `folders`,
+    read as `schema_coverage.py` reads a corpus."""
     names, schemas = set(), set()
     for folder in folders:
-        for f in folder.rglob("*.json"):
-            if f.name.endswith(".tests.json") or f.name == "MANIFEST.json":
-                continue
-            data = json.loads(f.read_text())
-            if f.parent.name == "_maskbench_extra":
-                names.add(f.name)
-                data = data["schema"]
-            else:                       # JSONSchemaBench layout: SUBSET/NAME.json
-                names.add(f"{f.parent.name}---{f.name}")
-            schemas.add(_key(data))
+        for case in _coverage().load_cases(corpus=folder):
+            names.add(f"{case.name}.json" if case.subset == "_maskbench_extra"
+                      else f"{case.subset}---{case.name}.json")
+            schemas.add(_key(case.schema))
     return names, schemas
+
+
+def _coverage():
+    """bench/schema_coverage.py, loaded by path (bench/ is not a package)."""
+    if "schema_coverage" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "schema_coverage", pathlib.Path(__file__).with_name("schema_coverage.py"))
+        module = sys.modules["schema_coverage"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["schema_coverage"]
 
 
 def main(argv: list[str] | None = None) -> int:
