@@ -18,6 +18,7 @@ from formwork.grammar.backend import (
     complete_utf8_prefix,
     set_only_tokens,
 )
+from formwork.grammar import unique_items
 from formwork.grammar.llguidance_grammar import to_llguidance
 from formwork.grammar.vocab import TokenVocab
 from formwork.schemas.structured import StructuredOutputsParams
@@ -162,24 +163,34 @@ class LLGuidanceBackend(GrammarBackend):
         self._executor = llg.LLExecutor(max_threads)
         self._batch_fill_min = batch_fill_min
         self._eos = vocab.eos_token_id
+        self._vocab = vocab
 
     def check(self, params: StructuredOutputsParams) -> None:
         to_llguidance(params)
 
-    def compile(self, params: StructuredOutputsParams) -> LLGuidanceCompiled:
-        return LLGuidanceCompiled(to_llguidance(params), self.tokenizer, self._eos)
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        compiled = LLGuidanceCompiled(to_llguidance(params), self.tokenizer, self._eos)
+        if params.kind() == "json":
+            plan = unique_items.plan(params.spec())
+            if plan.sites:
+                return unique_items.UniqueItemsCompiled(compiled, plan, self._vocab)
+        return compiled
 
     def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
                       rows: Sequence[int]) -> None:
         live: list[tuple[llg.LLMatcher, int]] = []
         first_row: dict[int, int] = {}
         copies: list[tuple[int, int]] = []
+        unique: list[tuple[unique_items.UniqueItemsMatcher, int]] = []
         for m, row in zip(matchers, rows):
-            assert isinstance(m, LLGuidanceMatcher)
             if id(m) in first_row:          # one matcher filled once, from one thread
                 copies.append((first_row[id(m)], row))
                 continue
             first_row[id(m)] = row
+            if isinstance(m, unique_items.UniqueItemsMatcher):   # inner fill, then restrict
+                unique.append((m, row))
+                m = m.inner
+            assert isinstance(m, LLGuidanceMatcher)
             if m.is_terminated() or m.native.is_error() or len(matchers) < self._batch_fill_min:
                 m.fill_bitmask(bitmask, row)
             else:
@@ -188,5 +199,7 @@ class LLGuidanceBackend(GrammarBackend):
             assert bitmask.is_contiguous()
             self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), bitmask.shape[1] * 4,
                                                    bitmask.shape[0])
+        for m, row in unique:
+            m.restrict(bitmask, row)
         for src, dst in copies:
             bitmask[dst].copy_(bitmask[src])

@@ -46,6 +46,7 @@ from formwork.grammar.schema_formats import (
 from formwork.grammar.schema_normalize import map_subschemas, normalize
 from formwork.grammar.schema_oneof import inferred_types, pairwise_disjoint
 from formwork.grammar.schema_pattern_names import pattern_name_issues, portable_pattern_names
+from formwork.grammar import unique_items
 from formwork.grammar.schema_rules import duplicate_name_issues
 from formwork.grammar.schema_closing import close_declared_objects, drop_legacy_ref_siblings
 from formwork.grammar.schema_walk import iter_nodes, map_ref_targets, validator_class
@@ -289,7 +290,9 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
 
 
 def _checked_json(schema: Any, params: StructuredOutputsParams) -> str:
-    return _checked_schema(schema, params)[1]
+    # `uniqueItems` on arrays of free strings/integers is kept while decoding
+    # (grammar/unique_items.py): the grammar is built without it there.
+    return _checked_schema(unique_items.plan(schema).schema, params)[1]
 
 
 def _lark_text(text: str) -> str:

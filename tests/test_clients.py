@@ -106,6 +106,27 @@ def test_openai_required_tool_with_defs(client, model):
         Forecast.model_validate(call.function.parsed_arguments)
 
 
+class Tagged(BaseModel):
+    title: str = Field(max_length=16)
+    tags: set[str] = Field(max_length=3)           # uniqueItems: kept while decoding
+    years: frozenset[int] = Field(max_length=3)
+
+
+def test_openai_parse_sets_come_back_without_duplicates(client, model):
+    """A pydantic set is `uniqueItems`; the raw text (before pydantic dedups it)
+    has no repeated item, even where the model is asked to repeat one."""
+    r = client.chat.completions.parse(
+        model=model, response_format=Tagged, temperature=0, max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": "Repeat the tag 'cat' three times as tags, "
+                                              "and the year 2000 three times."}])
+    assert r.choices[0].finish_reason == "stop"
+    raw = json.loads(r.choices[0].message.content)
+    jsonschema.validate(raw, Tagged.model_json_schema())
+    for key in ("tags", "years"):
+        assert len(raw[key]) == len(set(raw[key]))
+    assert r.choices[0].message.parsed == Tagged.model_validate(raw)
+
+
 # ---- instructor -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])

@@ -1,0 +1,452 @@
+"""`uniqueItems` enforced while decoding, for arrays of free strings or integers.
+
+No grammar says "no two items equal" (the language is not context-free), so the
+backends refuse the keyword, and so did formwork: a pydantic `set[str]` or
+`frozenset[int]` field was a 400. Such a set cannot run out of fresh items — a
+string without maxLength/pattern/enum/format can always take another character,
+an integer another digit — so uniqueness can be kept token by token without
+dead ends: the grammar enforces everything but `uniqueItems`, and a matcher
+wrapper follows the generated JSON and refuses (in the mask and in
+`accept_tokens`) every token that would complete an item equal to an earlier one
+of its array (equal as JSON values, as `jsonschema` compares them: decoded
+strings, numbers by value, so `1.0` repeats `1`).
+
+Served sites (`plan`): an array node with `uniqueItems: true` whose `items` is a
+plain string (`minLength` allowed) or a plain integer (at most one bound), reached
+from the root only through `properties`, `additionalProperties` (a schema, no
+`patternProperties` beside it), `items` (one schema) and local `$ref`s — so a
+document position tells which schema node it is in. A `uniqueItems` reached
+through anything else (anyOf/oneOf/allOf branches, prefixItems, ...) or with
+other item types stays in the schema, and the backend refuses it, naming it.
+Enum items (a finite set that can run out) are not served.
+
+The wrapper reads the bytes of each token with a small JSON scanner (the
+grammar guarantees the text is JSON, so the scanner only tracks where it is:
+containers, the current key, the current string or number); its state after
+each accepted token is kept for rollback.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from formwork.grammar.backend import CompiledGrammar, Matcher
+from formwork.grammar.schema_walk import resolve_local_ref
+from formwork.grammar.vocab import TokenVocab
+
+_ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment",
+                          "deprecated", "readOnly", "writeOnly"})
+_STRING_KEYS = frozenset({"type", "minLength"}) | _ANNOTATIONS
+_INTEGER_KEYS = frozenset({"type", "minimum", "maximum", "exclusiveMinimum",
+                           "exclusiveMaximum"}) | _ANNOTATIONS
+_ARRAY_KEYS = frozenset({"type", "items", "uniqueItems", "minItems", "maxItems"}) | _ANNOTATIONS
+# Keys whose subschemas a document position reaches unambiguously (see `_children`).
+_STRUCTURAL = frozenset({"properties", "additionalProperties", "items"})
+_DELIMITERS = frozenset(b",]} \t\n\r")
+
+
+def _deref(root: Any, node: Any) -> Any:
+    for _ in range(16):
+        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str)):
+            return node
+        target = resolve_local_ref(root, node["$ref"])
+        if target is None:
+            return None
+        node = target[0]
+    return None
+
+
+def _item_kind(root: Any, array: dict) -> str | None:
+    """'s' (free string items), 'i' (integer items with at most one bound), else None."""
+    if set(array) - _ARRAY_KEYS or array.get("type", "array") != "array":
+        return None
+    items = _deref(root, array.get("items"))
+    if not isinstance(items, dict):
+        return None
+    if items.get("type") == "string" and not set(items) - _STRING_KEYS:
+        return "s"
+    if items.get("type") == "integer" and not set(items) - _INTEGER_KEYS:
+        # Every item must be able to take another digit, or an item could be stuck
+        # equal to a taken one: no bound, or only a lower bound >= 0 (positive
+        # integers unbounded above), or only an upper bound <= 0. (`0` and `-0` take
+        # no digit: _dead_end.)
+        low = [items[k] for k in ("minimum", "exclusiveMinimum") if k in items]
+        high = [items[k] for k in ("maximum", "exclusiveMaximum") if k in items]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in low + high):
+            return None
+        if (not low and not high) or (low and not high and min(low) >= 0) \
+                or (high and not low and max(high) <= 0):
+            return "i"
+    return None
+
+
+def _typed_branches(root: Any, node: dict) -> dict[str, Any] | None:
+    """`anyOf`/`oneOf` whose branches each have one `type`, no two the same, and
+    nothing else beside them (an `Optional[...]` field): {type: branch}, else None.
+    A document value's type then tells the one branch it can be in."""
+    keys = set(node) - _ANNOTATIONS - {"default"}
+    if len(keys) != 1 or next(iter(keys)) not in ("anyOf", "oneOf"):
+        return None
+    out: dict[str, Any] = {}
+    for branch in node[next(iter(keys))]:
+        b = _deref(root, branch)
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str) or b["type"] in out:
+            return None
+        out[b["type"]] = b
+    return out
+
+
+def _children(root: Any, node: dict) -> tuple[list[Any], list[Any]]:
+    """(subschemas a document position reaches unambiguously, every other subschema)."""
+    clean: list[Any] = []
+    other: list[Any] = []
+    typed = _typed_branches(root, node)
+    if typed is not None:
+        return list(typed.values()), []
+    props = node.get("properties")
+    if isinstance(props, dict):
+        clean += props.values()
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):
+        (other if "patternProperties" in node else clean).append(extra)
+    items = node.get("items")
+    if isinstance(items, dict):
+        clean.append(items)
+    elif isinstance(items, list):
+        other += items
+    for key, value in node.items():
+        if key in _STRUCTURAL or key in ("$defs", "definitions", "enum", "const") \
+                or key in _ANNOTATIONS:
+            continue
+        if isinstance(value, dict):
+            if key in ("patternProperties", "dependentSchemas", "dependencies"):
+                other += [v for v in value.values() if isinstance(v, dict)]
+            else:
+                other.append(value)
+        elif isinstance(value, list):
+            other += [v for v in value if isinstance(v, dict)]
+    return clean, other
+
+
+@dataclass
+class UniquePlan:
+    """The schema (its served `uniqueItems` removed) and its served array nodes."""
+    schema: Any
+    sites: dict[int, str] = field(default_factory=dict)   # id(array node) -> item kind
+
+    def child(self, node: Any, key: str | None) -> Any:
+        """The schema node of a container's member: `key` in an object, an item of an
+        array (key None); None where the position is not followed."""
+        if not isinstance(node, dict):
+            return None
+        if key is None:
+            items = node.get("items")
+            return _deref(self.schema, items) if isinstance(items, dict) else None
+        props = node.get("properties")
+        if isinstance(props, dict) and key in props:
+            return _deref(self.schema, props[key])
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict) and "patternProperties" not in node:
+            return _deref(self.schema, extra)
+        return None
+
+
+def _copy(node: Any, drop: set[int], memo: dict[int, Any]) -> Any:
+    if isinstance(node, dict):
+        if id(node) in memo:
+            return memo[id(node)]
+        out: dict = {}
+        memo[id(node)] = out
+        for k, v in node.items():
+            if k == "uniqueItems" and id(node) in drop:
+                continue
+            out[k] = _copy(v, drop, memo)
+        return out
+    if isinstance(node, list):
+        return [_copy(v, drop, memo) for v in node]
+    return node
+
+
+def plan(schema: Any) -> UniquePlan:
+    """The served `uniqueItems` sites of `schema` (see the module docstring); the
+    schema is returned unchanged (same object) when there are none."""
+    if not isinstance(schema, dict) or '"uniqueItems"' not in json.dumps(schema):
+        return UniquePlan(schema)
+    clean_seen: set[int] = set()
+    dirty_seen: set[int] = set()
+    unique: dict[int, dict] = {}
+    stack: list[tuple[Any, bool]] = [(schema, False)]
+    while stack:
+        node, dirty = stack.pop()
+        node = _deref(schema, node)
+        if not isinstance(node, dict):
+            continue
+        seen = dirty_seen if dirty else clean_seen
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.get("uniqueItems") is True:
+            unique[id(node)] = node
+        if "$ref" in node:       # $ref with siblings: not followed as a position
+            dirty = True
+        clean, other = _children(schema, node)
+        stack += [(c, dirty) for c in clean] + [(o, True) for o in other]
+    served = {nid: kind for nid, node in unique.items()
+              if nid not in dirty_seen and (kind := _item_kind(schema, node)) is not None}
+    if not served:
+        return UniquePlan(schema)
+    memo: dict[int, Any] = {}
+    stripped = _copy(schema, set(served), memo)
+    return UniquePlan(stripped, {id(memo[nid]): kind for nid, kind in served.items()})
+
+
+# --- following the generated JSON --------------------------------------------------
+
+class Duplicate(Exception):
+    """An item equal to an earlier item of its unique array was completed."""
+
+
+@dataclass(slots=True)
+class _Frame:
+    array: bool
+    node: Any                 # schema node of this container (None: not followed)
+    kind: str | None = None   # a served unique array: 's' or 'i'
+    items: frozenset = frozenset()
+    key: str | None = None    # object: the member being read
+    want_key: bool = True     # object: the next string is a key
+
+
+@dataclass(slots=True)
+class _State:
+    frames: tuple[_Frame, ...] = ()
+    lex: str = ""             # "", "str", "esc", "num", "lit"
+    buf: bytes = b""          # the string's raw bytes / the number's text
+    key_str: bool = False     # the string being read is an object key
+    track: bool = False       # the string/number is an item of a unique array
+    uhex: int = 0             # hex digits of a \\u escape still to read
+
+
+def _value_node(plan_: UniquePlan, st: _State, container: str) -> Any:
+    """The schema node of the array or object (`container`) starting here."""
+    if not st.frames:
+        node = _deref(plan_.schema, plan_.schema)
+    else:
+        top = st.frames[-1]
+        node = plan_.child(top.node, None if top.array else top.key)
+    if isinstance(node, dict):
+        typed = _typed_branches(plan_.schema, node)
+        if typed is not None:
+            return typed.get(container)
+    return node
+
+
+def _with_top(st: _State, top: _Frame) -> tuple[_Frame, ...]:
+    return st.frames[:-1] + (top,)
+
+
+def _add_item(st: _State, value: Any) -> tuple[_Frame, ...]:
+    top = st.frames[-1]
+    if value in top.items:
+        raise Duplicate
+    return _with_top(st, _Frame(True, top.node, top.kind, top.items | {value}))
+
+
+def _end_number(plan_: UniquePlan, st: _State) -> _State:
+    frames = st.frames
+    if st.track:
+        try:
+            value = json.loads(st.buf)
+        except ValueError:
+            value = None
+        if isinstance(value, (int, float)):
+            frames = _add_item(st, value)
+    return _State(frames)
+
+
+def step(plan_: UniquePlan, st: _State, data: bytes) -> _State:
+    """The scanner's state after `data`; raises Duplicate."""
+    for b in data:
+        if st.lex == "str":
+            if b == 0x5C:                 # backslash
+                st = _State(st.frames, "esc", st.buf + b"\\", st.key_str, st.track)
+            elif b == 0x22:               # closing quote
+                text = json.loads(b'"' + st.buf + b'"')
+                top = st.frames[-1] if st.frames else None
+                if st.key_str and top is not None:
+                    st = _State(_with_top(st, _Frame(False, top.node, None, top.items, text, False)))
+                elif st.track:
+                    st = _State(_add_item(st, text))
+                else:
+                    st = _State(st.frames)
+            else:
+                st = _State(st.frames, "str", st.buf + bytes((b,)), st.key_str, st.track)
+            continue
+        if st.lex == "esc":
+            if st.uhex:
+                st = _State(st.frames, "esc" if st.uhex > 1 else "str", st.buf + bytes((b,)),
+                            st.key_str, st.track, st.uhex - 1)
+            else:
+                st = _State(st.frames, "esc" if b == ord("u") else "str", st.buf + bytes((b,)),
+                            st.key_str, st.track, 4 if b == ord("u") else 0)
+            continue
+        if st.lex == "num":
+            if b in _DELIMITERS:
+                st = _end_number(plan_, st)   # then the delimiter below
+            else:
+                st = _State(st.frames, "num", st.buf + bytes((b,)), track=st.track)
+                continue
+        if st.lex == "lit":
+            if 0x61 <= b <= 0x7A:             # true / false / null letters
+                continue
+            st = _State(st.frames)
+        top = st.frames[-1] if st.frames else None
+        if b == 0x22:                         # a string starts: a key or a value
+            if top is not None and not top.array and top.want_key:
+                st = _State(st.frames, "str", b"", key_str=True)
+            else:
+                st = _State(st.frames, "str", b"", track=top is not None and top.kind == "s")
+        elif b in b"{[":
+            node = _value_node(plan_, st, "array" if b == 0x5B else "object")
+            kind = plan_.sites.get(id(node)) if b == 0x5B else None
+            st = _State(st.frames + (_Frame(b == 0x5B, node, kind),))
+        elif b in b"}]":
+            st = _State(st.frames[:-1])
+        elif b == 0x2C and top is not None and not top.array:     # ',' in an object
+            st = _State(_with_top(st, _Frame(False, top.node, None, top.items, None, True)))
+        elif b == 0x2D or 0x30 <= b <= 0x39:  # '-' or a digit: a number starts
+            st = _State(st.frames, "num", bytes((b,)), track=top is not None and top.kind == "i")
+        elif 0x61 <= b <= 0x7A:
+            st = _State(st.frames, "lit")
+        # ':' and whitespace change nothing
+    return st
+
+
+def _dead_end(st: _State) -> bool:
+    """A unique integer item that can only end as 0 (after '0' / '-0'), 0 taken."""
+    return st.lex == "num" and st.track and st.buf in (b"0", b"-0") and 0 in st.frames[-1].items
+
+
+def _follows(plan_: UniquePlan, st: _State, data: bytes) -> _State | None:
+    """The state after `data`, or None if it completes (or must complete) a duplicate."""
+    try:
+        out = step(plan_, st, data)
+    except Duplicate:
+        return None
+    return None if _dead_end(out) else out
+
+
+class _TokenSets:
+    """Per vocabulary: the tokens that can complete an item, by context."""
+
+    def __init__(self, vocab: TokenVocab):
+        tb = vocab.token_bytes
+        self.bytes = tb
+        self.quote = np.array([i for i, b in enumerate(tb) if b and b'"' in b], dtype=np.int64)
+        self.digit = np.array([i for i, b in enumerate(tb) if b and any(48 <= c <= 57 for c in b)],
+                              dtype=np.int64)
+        self.delim = np.array([i for i, b in enumerate(tb) if b and any(c in _DELIMITERS for c in b)],
+                              dtype=np.int64)
+        self.risky = np.union1d(self.quote, self.digit)
+
+
+_SETS: dict[int, _TokenSets] = {}
+
+
+def _sets(vocab: TokenVocab) -> _TokenSets:
+    if id(vocab) not in _SETS:
+        _SETS[id(vocab)] = _TokenSets(vocab)
+    return _SETS[id(vocab)]
+
+
+class UniqueItemsMatcher(Matcher):
+    """`inner` (the grammar without the served `uniqueItems`) plus uniqueness."""
+
+    def __init__(self, inner: Matcher, plan_: UniquePlan, vocab: TokenVocab):
+        self.inner = inner
+        self._plan = plan_
+        self._vocab = vocab
+        self._sets = _sets(vocab)
+        self._states = [_State()]
+
+    @property
+    def error(self) -> str:
+        return getattr(self.inner, "error", "")
+
+    def _after(self, token_ids: Sequence[int]) -> list[_State] | None:
+        st, out = self._states[-1], []
+        for t in token_ids:
+            data = self._vocab.token_bytes[t] if 0 <= t < len(self._vocab.token_bytes) else None
+            if data:
+                nxt = _follows(self._plan, st, data)
+                if nxt is None:
+                    return None
+                st = nxt
+            out.append(st)
+        return out
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        states = self._after([int(t) for t in token_ids])
+        if states is None or not self.inner.accept_tokens(token_ids):
+            return False
+        self._states += states
+        return True
+
+    def accepts(self, token_id: int) -> bool:
+        return self._after([int(token_id)]) is not None and self.inner.accepts(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.inner.fill_bitmask(bitmask, row)
+        self.restrict(bitmask, row)
+
+    def restrict(self, bitmask: torch.Tensor, row: int) -> None:
+        """Clear, in `bitmask[row]` (filled by the inner matcher), the tokens that
+        would complete a duplicate item."""
+        st = self._states[-1]
+        if self.inner.is_terminated():
+            return
+        sets = self._sets
+        cands = sets.risky
+        if st.lex == "num" and st.track:
+            cands = np.union1d(cands, sets.delim)
+        words = bitmask[row].numpy()
+        cands = cands[cands < words.shape[0] * 32]
+        on = (words[cands >> 5].astype(np.int64) >> (cands & 31)) & 1
+        for t in cands[on.astype(bool)].tolist():
+            if _follows(self._plan, st, sets.bytes[t]) is None:
+                w, bit = divmod(t, 32)
+                value = (int(words[w]) & 0xFFFFFFFF) & ~(1 << bit)
+                words[w] = value - (1 << 32) if value >= 1 << 31 else value
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.inner.rollback(num_tokens)
+            del self._states[-num_tokens:]
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self._states = [_State()]
+
+    def jump_forward_string(self) -> str:
+        forced = self.inner.jump_forward_string()
+        if forced and _follows(self._plan, self._states[-1], forced.encode()) is None:
+            return ""
+        return forced
+
+
+class UniqueItemsCompiled(CompiledGrammar):
+    def __init__(self, inner: CompiledGrammar, plan_: UniquePlan, vocab: TokenVocab):
+        self.inner = inner
+        self.backend_name = inner.backend_name
+        self.plan = plan_
+        self._vocab = vocab
+
+    def new_matcher(self) -> UniqueItemsMatcher:
+        return UniqueItemsMatcher(self.inner.new_matcher(), self.plan, self._vocab)

@@ -1,0 +1,231 @@
+"""`uniqueItems` on arrays of free strings / integers, kept while decoding
+(grammar/unique_items.py): which sites are served, the mask and accept_tokens
+refuse every duplicate (as `jsonschema` compares items), rollback, and random
+walks that chase duplicates all end in outputs `jsonschema` accepts."""
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from formwork.grammar import unique_items
+from formwork.grammar.backend import allocate_bitmask, allowed_token_ids
+from formwork.grammar.manager import build_backend
+from formwork.grammar.schema_check import UnsupportedSchemaError
+from formwork.grammar.selection import choose_backend
+from formwork.grammar.vocab import TokenVocab
+from formwork.schemas.structured import StructuredOutputsParams as P
+
+VOCAB = 49152
+STR_SET = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+INT_SET = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+
+
+class Inner(BaseModel):
+    labels: set[str] = Field(max_length=4)
+
+
+class Record(BaseModel):
+    tags: set[str]
+    ids: frozenset[int]
+    maybe: set[str] | None = None
+    inner: Inner
+    groups: list[set[int]] = []
+    by_name: dict[str, set[str]] = {}
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer):
+    return TokenVocab.from_tokenizer(tokenizer, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer, vocab):
+    return build_backend("llguidance", vocab, tokenizer)
+
+
+def _accepts(compiled, tokenizer, vocab, text: str) -> bool:
+    m = compiled.new_matcher()
+    return m.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) \
+        and m.accept_tokens([vocab.eos_token_id]) and m.is_terminated()
+
+
+# -- which sites are served -------------------------------------------------------
+
+def _served_paths(schema) -> int:
+    return len(unique_items.plan(schema).sites)
+
+
+def test_pydantic_sets_are_served_everywhere_a_position_tells_the_node():
+    schema = Record.model_json_schema()
+    plan = unique_items.plan(schema)
+    # tags, ids, maybe (Optional: anyOf array|null), Inner.labels ($defs), the
+    # list's items, the dict's values
+    assert len(plan.sites) == 6
+    assert '"uniqueItems"' not in json.dumps(plan.schema)
+    assert '"uniqueItems"' in json.dumps(schema)          # the input is not mutated
+    assert choose_backend(P(json=schema)) == "llguidance"
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True},       # can run out
+    {"type": "array", "items": {"type": "string", "maxLength": 2}, "uniqueItems": True},
+    {"type": "array", "items": {"type": "string", "pattern": "^a+$"}, "uniqueItems": True},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 3},
+     "uniqueItems": True},
+    {"type": "array", "items": {"type": "number"}, "uniqueItems": True},
+    {"type": "array", "items": {"type": "integer", "minimum": -2}, "uniqueItems": True},  # -1 ends
+    {"type": "array", "items": {"type": "integer", "maximum": 9}, "uniqueItems": True},   # 9 ends
+    {"type": "array", "uniqueItems": True},                                      # any items
+    {"anyOf": [STR_SET, {"type": "array", "items": {"type": "integer"}}]},       # which array?
+    {"type": "object", "properties": {"t": STR_SET}, "patternProperties": {"^x": STR_SET}},
+    {"type": "array", "prefixItems": [STR_SET]},
+    {"type": "array", "items": {"type": "string"}, "uniqueItems": True, "contains": {"const": "a"}},
+])
+def test_sites_a_position_cannot_tell_or_that_can_run_out_stay_refused(backend, schema):
+    plan = unique_items.plan(schema)
+    assert all(id(n) for n in plan.sites)       # whatever is served is not the refused one
+    with pytest.raises(UnsupportedSchemaError, match="uniqueItems"):
+        backend.compile(P(json=schema))
+
+
+def test_a_node_reached_both_ways_is_refused(backend):
+    shared = {"$defs": {"S": STR_SET}, "type": "object",
+              "properties": {"a": {"$ref": "#/$defs/S"},
+                             "b": {"anyOf": [{"$ref": "#/$defs/S"}, {"type": "integer"},
+                                             {"type": "array", "items": {"type": "integer"}}]}}}
+    assert _served_paths(shared) == 0
+    with pytest.raises(UnsupportedSchemaError, match="uniqueItems"):
+        backend.compile(P(json=shared))
+
+
+# -- exact texts ------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, ok", [
+    ('{"tags":["a","b"],"ids":[1,2,3]}', True),
+    ('{"tags":[],"ids":[10,1,100,-1]}', True),
+    ('{"tags":["ab","a","abc",""],"ids":[]}', True),
+    ('{"tags":["a","a"],"ids":[]}', False),
+    ('{"tags":["a\\"b","a\\"b"],"ids":[]}', False),          # escaped, equal once decoded
+    ('{"tags":["",""],"ids":[]}', False),
+    ('{"tags":["x","y","x"],"ids":[]}', False),
+    ('{"tags":[],"ids":[1,2,1]}', False),
+    ('{"tags":[],"ids":[0,-0]}', False),                      # -0 == 0
+    ('{"tags":[],"ids":[7,  7 ]}', False),
+])
+def test_duplicates_are_refused_and_the_rest_accepted(backend, tokenizer, vocab, text, ok):
+    schema = {"type": "object", "properties": {"tags": STR_SET, "ids": INT_SET},
+              "required": ["tags", "ids"]}
+    compiled = backend.compile(P(json=schema))
+    assert isinstance(compiled, unique_items.UniqueItemsCompiled)
+    assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) == ok
+    assert _accepts(compiled, tokenizer, vocab, text) == ok
+
+
+def test_the_mask_forbids_every_token_that_would_repeat_an_item(backend, tokenizer, vocab):
+    compiled = backend.compile(P(json={"type": "object", "properties": {"t": STR_SET}}))
+    m = compiled.new_matcher()
+    assert m.accept_tokens(tokenizer.encode('{"t":["ab","a', add_special_tokens=False))
+    bm = allocate_bitmask(1, VOCAB)
+    m.fill_bitmask(bm, 0)
+    allowed = set(allowed_token_ids(bm, 0, VOCAB))
+    texts = {vocab.token_bytes[t] for t in allowed}
+    assert b"b" in texts and b"c" in texts               # "ab" again needs a "b" then a quote
+    assert {b'"', b'",', b'"]', b'","'} <= texts          # "a" is new: it may close
+    assert m.accept_tokens(tokenizer.encode('","a', add_special_tokens=False))
+    m.fill_bitmask(bm, 0)
+    allowed = set(allowed_token_ids(bm, 0, VOCAB))
+    closers = [t for t in range(VOCAB) if vocab.token_bytes[t] and
+               vocab.token_bytes[t].startswith(b'"') and t in allowed]
+    assert closers == []                                # "a" is taken now
+    # accepts() agrees with the mask on every token that could close the string
+    for t in range(VOCAB):
+        if vocab.token_bytes[t] and b'"' in vocab.token_bytes[t]:
+            assert m.accepts(t) == (t in allowed), vocab.token_bytes[t]
+
+
+def test_rollback_forgets_the_items_it_undoes(backend, tokenizer, vocab):
+    compiled = backend.compile(P(json=INT_SET))
+    m = compiled.new_matcher()
+    ids = tokenizer.encode("[5,", add_special_tokens=False)
+    assert m.accept_tokens(ids)
+    five = tokenizer.encode("5", add_special_tokens=False)
+    end = tokenizer.encode("]", add_special_tokens=False)
+    assert m.accept_tokens(five) and not m.accept_tokens(end)     # [5,5] refused at its end
+    m.rollback(len(five) + len(ids) - 1)                          # back to "["
+    assert m.accept_tokens(five + end)                           # [5] is fine again
+    m.reset()
+    assert m.accept_tokens(tokenizer.encode("[5,6]", add_special_tokens=False))
+
+
+class _Forced:
+    """An inner matcher that forces a text (to test the jump-forward guard)."""
+
+    def __init__(self, inner, forced):
+        self.inner, self.forced = inner, forced
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def jump_forward_string(self):
+        return self.forced
+
+
+def test_jump_forward_never_writes_a_duplicate(backend, tokenizer, vocab):
+    compiled = backend.compile(P(json=STR_SET))
+    m = compiled.new_matcher()
+    assert m.accept_tokens(tokenizer.encode('["x","', add_special_tokens=False))
+    m.inner = _Forced(m.inner, 'x"')
+    assert m.jump_forward_string() == ""
+    m.inner = _Forced(m.inner.inner, 'xy"')
+    assert m.jump_forward_string() == 'xy"'
+
+
+def _walk(compiled, vocab, rng, steps=160) -> str | None:
+    """Random walk that chases duplicates: it prefers tokens that close strings,
+    end numbers and repeat short items; None if it did not finish."""
+    m = compiled.new_matcher()
+    bm = allocate_bitmask(1, VOCAB)
+    out: list[int] = []
+    chase = {b'"', b'",', b'"]', b'","', b'a', b'1', b'0', b',', b']', b'}', b'-'}
+    for _ in range(steps):
+        m.fill_bitmask(bm, 0)
+        allowed = allowed_token_ids(bm, 0, VOCAB)
+        assert allowed, "dead end"
+        if vocab.eos_token_id in allowed and rng.random() < 0.3:
+            assert m.accept_tokens([vocab.eos_token_id])
+            return b"".join(vocab.token_bytes[t] for t in out).decode()
+        pick = [t for t in allowed if vocab.token_bytes[t] in chase]
+        t = rng.choice(pick if pick and rng.random() < 0.9 else allowed)
+        assert m.accepts(t) and m.accept_tokens([t])
+        if t == vocab.eos_token_id:
+            return b"".join(vocab.token_bytes[t] for t in out).decode()
+        out.append(t)
+    return None
+
+
+@pytest.mark.parametrize("schema", [
+    STR_SET, INT_SET,
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "uniqueItems": True,
+     "minItems": 6},
+    {"type": "array", "items": {"type": "integer", "exclusiveMaximum": 0}, "uniqueItems": True,
+     "minItems": 3},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "uniqueItems": True,
+     "minItems": 4, "maxItems": 6},
+    Record.model_json_schema(),
+])
+def test_walks_chasing_duplicates_end_valid(backend, vocab, schema):
+    compiled = backend.compile(P(json=schema))
+    validator = jsonschema.Draft202012Validator(schema)
+    rng = random.Random(7)
+    finished = 0
+    for _ in range(30):
+        text = _walk(compiled, vocab, rng)
+        if text is not None:
+            finished += 1
+            doc = json.loads(text)
+            assert validator.is_valid(doc), (text, next(validator.iter_errors(doc)).message)
+    assert finished >= 10
