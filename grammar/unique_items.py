@@ -36,15 +36,17 @@ import numpy as np
 import torch
 
 from formwork.grammar.backend import CompiledGrammar, Matcher
+from formwork.grammar.schema_rules import ASSERTIONS
 from formwork.grammar.schema_walk import resolve_local_ref
 from formwork.grammar.vocab import TokenVocab
 
 _ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment",
                           "deprecated", "readOnly", "writeOnly"})
-_STRING_KEYS = frozenset({"type", "minLength"}) | _ANNOTATIONS
-_INTEGER_KEYS = frozenset({"type", "minimum", "maximum", "exclusiveMinimum",
-                           "exclusiveMaximum"}) | _ANNOTATIONS
-_ARRAY_KEYS = frozenset({"type", "items", "uniqueItems", "minItems", "maxItems"}) | _ANNOTATIONS
+_STRING_KEYS = frozenset({"type", "minLength"})
+_ENUM_KEYS = frozenset({"type", "enum"})
+_INTEGER_KEYS = frozenset({"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+_ARRAY_KEYS = frozenset({"type", "items", "uniqueItems", "minItems", "maxItems"})
+_SCALARS = frozenset({"null", "boolean", "integer", "number", "string"})
 # Keys whose subschemas a document position reaches unambiguously (see `_children`).
 _STRUCTURAL = frozenset({"properties", "additionalProperties", "items"})
 _DELIMITERS = frozenset(b",]} \t\n\r")
@@ -61,27 +63,54 @@ def _deref(root: Any, node: Any) -> Any:
     return None
 
 
-def _item_kind(root: Any, array: dict) -> str | None:
-    """'s' (free string items), 'i' (integer items with at most one bound), else None."""
-    if set(array) - _ARRAY_KEYS or array.get("type", "array") != "array":
+def _relevant(node: dict) -> set[str]:
+    """The keys that can fail an instance (formats are asserted by formwork)."""
+    return {k for k in node if k in ASSERTIONS or k == "format"}
+
+
+def _is_type(node: dict, name: str, default: bool) -> bool:
+    t = node.get("type")
+    if t is None:
+        return default
+    return t == name or (isinstance(t, list) and name in t and set(t) - {name} <= _SCALARS)
+
+
+def _item_kind(root: Any, array: dict) -> tuple[str, tuple[str, ...]] | None:
+    """('s', ()) free string items, ('i', ()) integers whose digits can always grow,
+    ('e', values) string enum items that can always be told apart and cannot run out
+    before minItems; else None."""
+    if _relevant(array) - _ARRAY_KEYS or not _is_type(array, "array", True):
         return None
     items = _deref(root, array.get("items"))
     if not isinstance(items, dict):
         return None
-    if items.get("type") == "string" and not set(items) - _STRING_KEYS:
-        return "s"
-    if items.get("type") == "integer" and not set(items) - _INTEGER_KEYS:
+    keys = _relevant(items)
+    if items.get("type") == "string" and keys <= _STRING_KEYS:
+        return "s", ()
+    if isinstance(items.get("enum"), list) and keys <= _ENUM_KEYS \
+            and items.get("type", "string") == "string":
+        values = items["enum"]
+        # printable ASCII without '"' or '\\': every backend writes them as they are,
+        # so a string's raw bytes so far say which values it can still become
+        if all(isinstance(v, str) and all(0x20 <= ord(c) < 0x7F and c not in '"\\' for c in v)
+               for v in values):
+            distinct = tuple(dict.fromkeys(values))
+            least = array.get("minItems", 0)
+            if isinstance(least, int) and least <= len(distinct):
+                return "e", distinct
+        return None
+    if items.get("type") == "integer" and keys <= _INTEGER_KEYS:
         # Every item must be able to take another digit, or an item could be stuck
         # equal to a taken one: no bound, or only a lower bound >= 0 (positive
         # integers unbounded above), or only an upper bound <= 0. (`0` and `-0` take
-        # no digit: _dead_end.)
+        # no digit: _stuck.)
         low = [items[k] for k in ("minimum", "exclusiveMinimum") if k in items]
         high = [items[k] for k in ("maximum", "exclusiveMaximum") if k in items]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in low + high):
             return None
         if (not low and not high) or (low and not high and min(low) >= 0) \
                 or (high and not low and max(high) <= 0):
-            return "i"
+            return "i", ()
     return None
 
 
@@ -89,7 +118,7 @@ def _typed_branches(root: Any, node: dict) -> dict[str, Any] | None:
     """`anyOf`/`oneOf` whose branches each have one `type`, no two the same, and
     nothing else beside them (an `Optional[...]` field): {type: branch}, else None.
     A document value's type then tells the one branch it can be in."""
-    keys = set(node) - _ANNOTATIONS - {"default"}
+    keys = _relevant(node)
     if len(keys) != 1 or next(iter(keys)) not in ("anyOf", "oneOf"):
         return None
     out: dict[str, Any] = {}
@@ -137,7 +166,8 @@ def _children(root: Any, node: dict) -> tuple[list[Any], list[Any]]:
 class UniquePlan:
     """The schema (its served `uniqueItems` removed) and its served array nodes."""
     schema: Any
-    sites: dict[int, str] = field(default_factory=dict)   # id(array node) -> item kind
+    # id(array node) -> (item kind, enum values): see _item_kind
+    sites: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
 
     def child(self, node: Any, key: str | None) -> Any:
         """The schema node of a container's member: `key` in an object, an item of an
@@ -215,10 +245,12 @@ class Duplicate(Exception):
 class _Frame:
     array: bool
     node: Any                 # schema node of this container (None: not followed)
-    kind: str | None = None   # a served unique array: 's' or 'i'
+    kind: str | None = None   # a served unique array: 's', 'i' or 'e'
     items: frozenset = frozenset()
     key: str | None = None    # object: the member being read
     want_key: bool = True     # object: the next string is a key
+    values: tuple[str, ...] = ()   # 'e': the enum
+    need: bool = False        # array: a ',' was read, an item must follow
 
 
 @dataclass(slots=True)
@@ -253,7 +285,7 @@ def _add_item(st: _State, value: Any) -> tuple[_Frame, ...]:
     top = st.frames[-1]
     if value in top.items:
         raise Duplicate
-    return _with_top(st, _Frame(True, top.node, top.kind, top.items | {value}))
+    return _with_top(st, _Frame(True, top.node, top.kind, top.items | {value}, values=top.values))
 
 
 def _end_number(plan_: UniquePlan, st: _State) -> _State:
@@ -309,15 +341,19 @@ def step(plan_: UniquePlan, st: _State, data: bytes) -> _State:
             if top is not None and not top.array and top.want_key:
                 st = _State(st.frames, "str", b"", key_str=True)
             else:
-                st = _State(st.frames, "str", b"", track=top is not None and top.kind == "s")
+                st = _State(st.frames, "str", b"",
+                            track=top is not None and top.kind in ("s", "e"))
         elif b in b"{[":
             node = _value_node(plan_, st, "array" if b == 0x5B else "object")
-            kind = plan_.sites.get(id(node)) if b == 0x5B else None
-            st = _State(st.frames + (_Frame(b == 0x5B, node, kind),))
+            kind, values = plan_.sites.get(id(node), (None, ())) if b == 0x5B else (None, ())
+            st = _State(st.frames + (_Frame(b == 0x5B, node, kind, values=values),))
         elif b in b"}]":
             st = _State(st.frames[:-1])
         elif b == 0x2C and top is not None and not top.array:     # ',' in an object
             st = _State(_with_top(st, _Frame(False, top.node, None, top.items, None, True)))
+        elif b == 0x2C and top is not None and top.kind is not None:   # ',' in a unique array
+            st = _State(_with_top(st, _Frame(True, top.node, top.kind, top.items,
+                                             values=top.values, need=True)))
         elif b == 0x2D or 0x30 <= b <= 0x39:  # '-' or a digit: a number starts
             st = _State(st.frames, "num", bytes((b,)), track=top is not None and top.kind == "i")
         elif 0x61 <= b <= 0x7A:
@@ -326,9 +362,22 @@ def step(plan_: UniquePlan, st: _State, data: bytes) -> _State:
     return st
 
 
-def _dead_end(st: _State) -> bool:
-    """A unique integer item that can only end as 0 (after '0' / '-0'), 0 taken."""
-    return st.lex == "num" and st.track and st.buf in (b"0", b"-0") and 0 in st.frames[-1].items
+def _stuck(st: _State) -> bool:
+    """Whether every way on from `st` repeats an item: a unique integer that can only
+    end as 0 (after '0' / '-0') with 0 taken; an enum item whose bytes so far begin
+    only taken values, or a ',' with every value taken."""
+    if not st.frames or st.frames[-1].kind is None:
+        return False
+    top = st.frames[-1]
+    if top.kind == "i":
+        return st.lex == "num" and st.buf in (b"0", b"-0") and 0 in top.items
+    if top.kind == "e":
+        if st.lex in ("str", "esc"):
+            return not any(v.encode().startswith(st.buf) for v in top.values
+                           if v not in top.items)
+        if top.need and not st.lex:
+            return all(v in top.items for v in top.values)
+    return False
 
 
 def _follows(plan_: UniquePlan, st: _State, data: bytes) -> _State | None:
@@ -337,7 +386,7 @@ def _follows(plan_: UniquePlan, st: _State, data: bytes) -> _State | None:
         out = step(plan_, st, data)
     except Duplicate:
         return None
-    return None if _dead_end(out) else out
+    return None if _stuck(out) else out
 
 
 class _TokenSets:
@@ -410,13 +459,20 @@ class UniqueItemsMatcher(Matcher):
         if self.inner.is_terminated():
             return
         sets = self._sets
-        cands = sets.risky
-        if st.lex == "num" and st.track:
-            cands = np.union1d(cands, sets.delim)
         words = bitmask[row].numpy()
-        cands = cands[cands < words.shape[0] * 32]
-        on = (words[cands >> 5].astype(np.int64) >> (cands & 31)) & 1
-        for t in cands[on.astype(bool)].tolist():
+        if st.frames and st.frames[-1].kind == "e":    # any token may leave only taken values
+            bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+            allowed = np.flatnonzero(bits[:len(sets.bytes)])
+        else:
+            cands = sets.risky
+            if st.lex == "num" and st.track:
+                cands = np.union1d(cands, sets.delim)
+            cands = cands[cands < words.shape[0] * 32]
+            on = (words[cands >> 5].astype(np.int64) >> (cands & 31)) & 1
+            allowed = cands[on.astype(bool)]
+        for t in allowed.tolist():
+            if not sets.bytes[t]:
+                continue
             if _follows(self._plan, st, sets.bytes[t]) is None:
                 w, bit = divmod(t, 32)
                 value = (int(words[w]) & 0xFFFFFFFF) & ~(1 << bit)

@@ -9,6 +9,9 @@ import random
 
 import jsonschema
 import pytest
+from enum import Enum
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from formwork.grammar import unique_items
@@ -24,6 +27,12 @@ STR_SET = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
 INT_SET = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
 
 
+class Color(str, Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
 class Inner(BaseModel):
     labels: set[str] = Field(max_length=4)
 
@@ -35,6 +44,8 @@ class Record(BaseModel):
     inner: Inner
     groups: list[set[int]] = []
     by_name: dict[str, set[str]] = {}
+    colors: set[Color] = set()
+    sizes: set[Literal["S", "M", "L"]] = Field(default=set(), min_length=1)
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +74,19 @@ def test_pydantic_sets_are_served_everywhere_a_position_tells_the_node():
     schema = Record.model_json_schema()
     plan = unique_items.plan(schema)
     # tags, ids, maybe (Optional: anyOf array|null), Inner.labels ($defs), the
-    # list's items, the dict's values
-    assert len(plan.sites) == 6
+    # list's items, the dict's values, the two enum sets
+    assert len(plan.sites) == 8
+    assert sorted(k for k, _ in plan.sites.values()).count("e") == 2
     assert '"uniqueItems"' not in json.dumps(plan.schema)
     assert '"uniqueItems"' in json.dumps(schema)          # the input is not mutated
     assert choose_backend(P(json=schema)) == "llguidance"
 
 
 @pytest.mark.parametrize("schema", [
-    {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True},       # can run out
+    {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True, "minItems": 3},
+    {"type": "array", "items": {"enum": ["a", 1]}, "uniqueItems": True},
+    {"type": "array", "items": {"enum": ["é", "e"]}, "uniqueItems": True},
+    {"type": "array", "items": {"type": "object"}, "uniqueItems": True},
     {"type": "array", "items": {"type": "string", "maxLength": 2}, "uniqueItems": True},
     {"type": "array", "items": {"type": "string", "pattern": "^a+$"}, "uniqueItems": True},
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 3},
@@ -90,6 +105,13 @@ def test_sites_a_position_cannot_tell_or_that_can_run_out_stay_refused(backend, 
     assert all(id(n) for n in plan.sites)       # whatever is served is not the refused one
     with pytest.raises(UnsupportedSchemaError, match="uniqueItems"):
         backend.compile(P(json=schema))
+
+
+def test_annotations_and_nullable_arrays_do_not_stop_a_site():
+    schema = {"type": "object", "properties": {"t": {
+        "type": ["array", "null"], "$id": "x", "markdownDescription": "d", "x-taplo": {},
+        "items": {"type": "string", "title": "t"}, "uniqueItems": True}}}
+    assert _served_paths(schema) == 1
 
 
 def test_a_node_reached_both_ways_is_refused(backend):
@@ -123,6 +145,34 @@ def test_duplicates_are_refused_and_the_rest_accepted(backend, tokenizer, vocab,
     assert isinstance(compiled, unique_items.UniqueItemsCompiled)
     assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) == ok
     assert _accepts(compiled, tokenizer, vocab, text) == ok
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('["red","green","blue"]', True),
+    ('["blue","red"]', True),
+    ('[]', True),
+    ('["red","red"]', False),
+    ('["red","green","red"]', False),
+])
+def test_enum_items(backend, tokenizer, vocab, text, ok):
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "uniqueItems": True}
+    compiled = backend.compile(P(json=schema))
+    assert _accepts(compiled, tokenizer, vocab, text) == ok
+
+
+def test_enum_items_never_start_what_only_a_taken_value_can_finish(backend, tokenizer, vocab):
+    schema = {"type": "array", "items": {"enum": ["red", "green", "grey"]}, "uniqueItems": True}
+    m = backend.compile(P(json=schema)).new_matcher()
+    bm = allocate_bitmask(1, VOCAB)
+    assert m.accept_tokens(tokenizer.encode('["red","gr', add_special_tokens=False))
+    assert m.accept_tokens(tokenizer.encode('een","', add_special_tokens=False))
+    m.fill_bitmask(bm, 0)
+    texts = {vocab.token_bytes[t] for t in allowed_token_ids(bm, 0, VOCAB)}
+    assert b"g" in texts and b"r" not in texts          # only "grey" is left
+    assert m.accept_tokens(tokenizer.encode('grey"', add_special_tokens=False))
+    m.fill_bitmask(bm, 0)
+    texts = {vocab.token_bytes[t] for t in allowed_token_ids(bm, 0, VOCAB)}
+    assert b"]" in texts and not any(b"," in t for t in texts)   # all three taken
 
 
 def test_the_mask_forbids_every_token_that_would_repeat_an_item(backend, tokenizer, vocab):
@@ -216,6 +266,9 @@ def _walk(compiled, vocab, rng, steps=160) -> str | None:
     {"type": "array", "items": {"type": "string", "minLength": 1}, "uniqueItems": True,
      "minItems": 4, "maxItems": 6},
     Record.model_json_schema(),
+    {"type": "array", "items": {"enum": ["a", "b", "ab", "ba"]}, "uniqueItems": True,
+     "minItems": 4},
+    {"type": "array", "items": {"type": "string", "enum": ["1", "0", "a"]}, "uniqueItems": True},
 ])
 def test_walks_chasing_duplicates_end_valid(backend, vocab, schema):
     compiled = backend.compile(P(json=schema))
