@@ -60,6 +60,14 @@ SHAPES = {
             "unit": {"enum": ["celsius", "fahrenheit"]}},
             "required": ["location", "unit"], "additionalProperties": False}},
         "required": ["name", "arguments"], "additionalProperties": False},
+    # uniqueItems, kept while decoding by grammar/unique_items.py (a matcher wrapper)
+    "sets": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "minLength": 1},
+                 "uniqueItems": True, "maxItems": 4},
+        "ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                "uniqueItems": True, "maxItems": 4},
+        "level": {"type": "array", "items": {"enum": ["low", "mid", "high"]}, "uniqueItems": True}},
+        "required": ["tags", "ids", "level"], "additionalProperties": False},
 }
 CORPUS_SHAPES = {"corpus_glaive_tool_args": "Glaiveai2K/calculate_area_08f638d4.json",
                  "corpus_kubernetes": "Kubernetes/kb_111_Normalized.json"}
