@@ -307,7 +307,10 @@ def step(plan_: UniquePlan, st: _State, data: bytes) -> _State:
             if b == 0x5C:                 # backslash
                 st = _State(st.frames, "esc", st.buf + b"\\", st.key_str, st.track)
             elif b == 0x22:               # closing quote
-                text = json.loads(b'"' + st.buf + b'"')
+                try:
+                    text: Any = json.loads(b'"' + st.buf + b'"')
+                except ValueError:        # not JSON (no grammar writes it): compare bytes
+                    text = bytes(st.buf)
                 top = st.frames[-1] if st.frames else None
                 if st.key_str and top is not None:
                     st = _State(_with_top(st, _Frame(False, top.node, None, top.items, text, False)))

@@ -175,6 +175,17 @@ def test_enum_items_never_start_what_only_a_taken_value_can_finish(backend, toke
     assert b"]" in texts and not any(b"," in t for t in texts)   # all three taken
 
 
+def test_escaped_keys_and_nested_values_are_followed(backend, tokenizer, vocab):
+    schema = {"type": "object", "properties": {
+        "a\"b": STR_SET, "skip": {"type": "object"}, "n": {"type": "array", "items": INT_SET}}}
+    compiled = backend.compile(P(json=schema))
+    assert len(compiled.plan.sites) == 2
+    assert _accepts(compiled, tokenizer, vocab, '{"a\\"b":["x","y"],"n":[[1,2],[1,2]]}')
+    assert not _accepts(compiled, tokenizer, vocab, '{"a\\"b":["x","x"]}')
+    assert not _accepts(compiled, tokenizer, vocab, '{"n":[[1,2],[3,3]]}')
+    assert _accepts(compiled, tokenizer, vocab, '{"skip":{"q":[1,1]},"n":[[1],[1]]}')
+
+
 def test_the_mask_forbids_every_token_that_would_repeat_an_item(backend, tokenizer, vocab):
     compiled = backend.compile(P(json={"type": "object", "properties": {"t": STR_SET}}))
     m = compiled.new_matcher()
