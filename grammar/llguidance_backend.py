@@ -18,7 +18,7 @@ from formwork.grammar.backend import (
     complete_utf8_prefix,
     set_only_tokens,
 )
-from formwork.grammar import unique_items
+from formwork.grammar import unique_items, unique_items_matcher
 from formwork.grammar.llguidance_grammar import to_llguidance
 from formwork.grammar.vocab import TokenVocab
 from formwork.schemas.structured import StructuredOutputsParams
@@ -173,7 +173,7 @@ class LLGuidanceBackend(GrammarBackend):
         if params.kind() == "json":
             plan = unique_items.plan(params.spec())
             if plan.sites:
-                return unique_items.UniqueItemsCompiled(compiled, plan, self._vocab)
+                return unique_items_matcher.UniqueItemsCompiled(compiled, plan, self._vocab)
         return compiled
 
     def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
@@ -181,13 +181,13 @@ class LLGuidanceBackend(GrammarBackend):
         live: list[tuple[llg.LLMatcher, int]] = []
         first_row: dict[int, int] = {}
         copies: list[tuple[int, int]] = []
-        unique: list[tuple[unique_items.UniqueItemsMatcher, int]] = []
+        unique: list[tuple[unique_items_matcher.UniqueItemsMatcher, int]] = []
         for m, row in zip(matchers, rows):
             if id(m) in first_row:          # one matcher filled once, from one thread
                 copies.append((first_row[id(m)], row))
                 continue
             first_row[id(m)] = row
-            if isinstance(m, unique_items.UniqueItemsMatcher):   # inner fill, then restrict
+            if isinstance(m, unique_items_matcher.UniqueItemsMatcher):   # inner fill, then restrict
                 unique.append((m, row))
                 m = m.inner
             assert isinstance(m, LLGuidanceMatcher)

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from formwork.grammar import unique_items
+from formwork.grammar import unique_items, unique_items_matcher
 from formwork.grammar.backend import allocate_bitmask, allowed_token_ids
 from formwork.grammar.manager import build_backend
 from formwork.grammar.schema_check import UnsupportedSchemaError
@@ -142,7 +142,7 @@ def test_duplicates_are_refused_and_the_rest_accepted(backend, tokenizer, vocab,
     schema = {"type": "object", "properties": {"tags": STR_SET, "ids": INT_SET},
               "required": ["tags", "ids"]}
     compiled = backend.compile(P(json=schema))
-    assert isinstance(compiled, unique_items.UniqueItemsCompiled)
+    assert isinstance(compiled, unique_items_matcher.UniqueItemsCompiled)
     assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) == ok
     assert _accepts(compiled, tokenizer, vocab, text) == ok
 

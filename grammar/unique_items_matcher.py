@@ -1,0 +1,132 @@
+"""The matcher side of `uniqueItems` (grammar/unique_items.py has the plan and
+the scanner): a wrapper around a backend's matcher that refuses every token
+completing a duplicate item, in the mask and on accept."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from formwork.grammar.backend import CompiledGrammar, Matcher
+from formwork.grammar.unique_items import _DELIMITERS, UniquePlan, _follows, _State
+from formwork.grammar.vocab import TokenVocab
+
+
+class _TokenSets:
+    """Per vocabulary: the tokens that can complete an item, by context."""
+
+    def __init__(self, vocab: TokenVocab):
+        tb = vocab.token_bytes
+        self.bytes = tb
+        self.quote = np.array([i for i, b in enumerate(tb) if b and b'"' in b], dtype=np.int64)
+        self.digit = np.array([i for i, b in enumerate(tb) if b and any(48 <= c <= 57 for c in b)],
+                              dtype=np.int64)
+        self.delim = np.array([i for i, b in enumerate(tb) if b and any(c in _DELIMITERS for c in b)],
+                              dtype=np.int64)
+        self.risky = np.union1d(self.quote, self.digit)
+
+
+_SETS: dict[int, _TokenSets] = {}
+
+
+def _sets(vocab: TokenVocab) -> _TokenSets:
+    if id(vocab) not in _SETS:
+        _SETS[id(vocab)] = _TokenSets(vocab)
+    return _SETS[id(vocab)]
+
+
+class UniqueItemsMatcher(Matcher):
+    """`inner` (the grammar without the served `uniqueItems`) plus uniqueness."""
+
+    def __init__(self, inner: Matcher, plan_: UniquePlan, vocab: TokenVocab):
+        self.inner = inner
+        self._plan = plan_
+        self._vocab = vocab
+        self._sets = _sets(vocab)
+        self._states = [_State()]
+
+    @property
+    def error(self) -> str:
+        return getattr(self.inner, "error", "")
+
+    def _after(self, token_ids: Sequence[int]) -> list[_State] | None:
+        st, out = self._states[-1], []
+        for t in token_ids:
+            data = self._vocab.token_bytes[t] if 0 <= t < len(self._vocab.token_bytes) else None
+            if data:
+                nxt = _follows(self._plan, st, data)
+                if nxt is None:
+                    return None
+                st = nxt
+            out.append(st)
+        return out
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        states = self._after([int(t) for t in token_ids])
+        if states is None or not self.inner.accept_tokens(token_ids):
+            return False
+        self._states += states
+        return True
+
+    def accepts(self, token_id: int) -> bool:
+        return self._after([int(token_id)]) is not None and self.inner.accepts(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.inner.fill_bitmask(bitmask, row)
+        self.restrict(bitmask, row)
+
+    def restrict(self, bitmask: torch.Tensor, row: int) -> None:
+        """Clear, in `bitmask[row]` (filled by the inner matcher), the tokens that
+        would complete a duplicate item."""
+        st = self._states[-1]
+        if self.inner.is_terminated():
+            return
+        sets = self._sets
+        words = bitmask[row].numpy()
+        if st.frames and st.frames[-1].kind == "e":    # any token may leave only taken values
+            bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+            allowed = np.flatnonzero(bits[:len(sets.bytes)])
+        else:
+            cands = sets.risky
+            if st.lex == "num" and st.track:
+                cands = np.union1d(cands, sets.delim)
+            cands = cands[cands < words.shape[0] * 32]
+            on = (words[cands >> 5].astype(np.int64) >> (cands & 31)) & 1
+            allowed = cands[on.astype(bool)]
+        for t in allowed.tolist():
+            if not sets.bytes[t]:
+                continue
+            if _follows(self._plan, st, sets.bytes[t]) is None:
+                w, bit = divmod(t, 32)
+                value = (int(words[w]) & 0xFFFFFFFF) & ~(1 << bit)
+                words[w] = value - (1 << 32) if value >= 1 << 31 else value
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.inner.rollback(num_tokens)
+            del self._states[-num_tokens:]
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self._states = [_State()]
+
+    def jump_forward_string(self) -> str:
+        forced = self.inner.jump_forward_string()
+        if forced and _follows(self._plan, self._states[-1], forced.encode()) is None:
+            return ""
+        return forced
+
+
+class UniqueItemsCompiled(CompiledGrammar):
+    def __init__(self, inner: CompiledGrammar, plan_: UniquePlan, vocab: TokenVocab):
+        self.inner = inner
+        self.backend_name = inner.backend_name
+        self.plan = plan_
+        self._vocab = vocab
+
+    def new_matcher(self) -> UniqueItemsMatcher:
+        return UniqueItemsMatcher(self.inner.new_matcher(), self.plan, self._vocab)
