@@ -34,11 +34,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from formwork.grammar.schema_merge import ANNOTATIONS
 from formwork.grammar.schema_rules import ASSERTIONS
 from formwork.grammar.schema_walk import resolve_local_ref
 
-_ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment",
-                          "deprecated", "readOnly", "writeOnly"})
 _STRING_KEYS = frozenset({"type", "minLength"})
 _ENUM_KEYS = frozenset({"type", "enum"})
 _INTEGER_KEYS = frozenset({"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
@@ -147,7 +146,7 @@ def _children(root: Any, node: dict) -> tuple[list[Any], list[Any]]:
         other += items
     for key, value in node.items():
         if key in _STRUCTURAL or key in ("$defs", "definitions", "enum", "const") \
-                or key in _ANNOTATIONS:
+                or key in ANNOTATIONS:
             continue
         if isinstance(value, dict):
             if key in ("patternProperties", "dependentSchemas", "dependencies"):
@@ -219,8 +218,7 @@ def plan(schema: Any) -> UniquePlan:
         seen.add(id(node))
         if node.get("uniqueItems") is True:
             unique[id(node)] = node
-        if "$ref" in node:       # $ref with siblings: not followed as a position
-            dirty = True
+        # (a `$ref`'s siblings are not followed: a site among them stays unserved)
         clean, other = _children(schema, node)
         stack += [(c, dirty) for c in clean] + [(o, True) for o in other]
     served = {nid: kind for nid, node in unique.items()
