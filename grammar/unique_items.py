@@ -73,8 +73,8 @@ def _is_type(node: dict, name: str, default: bool) -> bool:
 
 def _item_kind(root: Any, array: dict) -> tuple[str, tuple[str, ...]] | None:
     """('s', ()) free string items, ('i', ()) integers whose digits can always grow,
-    ('e', values) string enum items that can always be told apart and cannot run out
-    before minItems; else None."""
+    ('e', values) enum items (strings, integers) that can always be told apart and
+    cannot run out before minItems; else None."""
     if _relevant(array) - _ARRAY_KEYS or not _is_type(array, "array", True):
         return None
     items = _deref(root, array.get("items"))
@@ -84,12 +84,13 @@ def _item_kind(root: Any, array: dict) -> tuple[str, tuple[str, ...]] | None:
     if items.get("type") == "string" and keys <= _STRING_KEYS:
         return "s", ()
     if isinstance(items.get("enum"), list) and keys <= _ENUM_KEYS \
-            and items.get("type", "string") == "string":
+            and items.get("type") in (None, "string", "integer"):
         values = items["enum"]
-        # printable ASCII without '"' or '\\': every backend writes them as they are,
-        # so a string's raw bytes so far say which values it can still become
-        if all(isinstance(v, str) and all(0x20 <= ord(c) < 0x7F and c not in '"\\' for c in v)
-               for v in values):
+        # Strings of printable ASCII without '"' or '\\' and integers: every backend
+        # writes them as they are, so an item's bytes so far say which values it can
+        # still become.
+        if all((isinstance(v, str) and all(0x20 <= ord(c) < 0x7F and c not in '"\\' for c in v))
+               or (isinstance(v, int) and not isinstance(v, bool)) for v in values):
             distinct = tuple(dict.fromkeys(values))
             least = array.get("minItems", 0)
             if isinstance(least, int) and least <= len(distinct):
@@ -353,7 +354,8 @@ def step(plan_: UniquePlan, st: _State, data: bytes) -> _State:
             st = _State(_with_top(st, _Frame(True, top.node, top.kind, top.items,
                                              values=top.values, need=True)))
         elif b == 0x2D or 0x30 <= b <= 0x39:  # '-' or a digit: a number starts
-            st = _State(st.frames, "num", bytes((b,)), track=top is not None and top.kind == "i")
+            st = _State(st.frames, "num", bytes((b,)),
+                        track=top is not None and top.kind in ("i", "e"))
         elif 0x61 <= b <= 0x7A:
             st = _State(st.frames, "lit")
         # ':' and whitespace change nothing
@@ -370,9 +372,10 @@ def _stuck(st: _State) -> bool:
     if top.kind == "i":
         return st.lex == "num" and st.buf in (b"0", b"-0") and 0 in top.items
     if top.kind == "e":
-        if st.lex in ("str", "esc"):
-            return not any(v.encode().startswith(st.buf) for v in top.values
-                           if v not in top.items)
+        if st.lex in ("str", "esc", "num"):
+            number = st.lex == "num"
+            return not any(isinstance(v, int) == number and str(v).encode().startswith(st.buf)
+                           for v in top.values if v not in top.items)
         if top.need and not st.lex:
             return all(v in top.items for v in top.values)
     return False

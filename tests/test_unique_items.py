@@ -84,7 +84,8 @@ def test_pydantic_sets_are_served_everywhere_a_position_tells_the_node():
 
 @pytest.mark.parametrize("schema", [
     {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True, "minItems": 3},
-    {"type": "array", "items": {"enum": ["a", 1]}, "uniqueItems": True},
+    {"type": "array", "items": {"enum": ["a", 1.5]}, "uniqueItems": True},
+    {"type": "array", "items": {"enum": ["a", True]}, "uniqueItems": True},
     {"type": "array", "items": {"enum": ["é", "e"]}, "uniqueItems": True},
     {"type": "array", "items": {"type": "object"}, "uniqueItems": True},
     {"type": "array", "items": {"type": "string", "maxLength": 2}, "uniqueItems": True},
@@ -158,6 +159,26 @@ def test_enum_items(backend, tokenizer, vocab, text, ok):
     schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "uniqueItems": True}
     compiled = backend.compile(P(json=schema))
     assert _accepts(compiled, tokenizer, vocab, text) == ok
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('[1,10,"1"]', True),
+    ('[10,1]', True),
+    ('[1,1]', False),
+    ('["1","1"]', False),
+    ('[10,"1",10]', False),
+])
+def test_integer_and_mixed_enum_items(backend, tokenizer, vocab, text, ok):
+    schema = {"type": "array", "items": {"enum": [1, 10, "1"]}, "uniqueItems": True}
+    compiled = backend.compile(P(json=schema))
+    assert isinstance(compiled, unique_items_matcher.UniqueItemsCompiled)
+    assert _accepts(compiled, tokenizer, vocab, text) == ok
+    m = compiled.new_matcher()                      # 1 and 10 taken: no digit may start
+    assert m.accept_tokens(tokenizer.encode('[1,10,', add_special_tokens=False))
+    bm = allocate_bitmask(1, VOCAB)
+    m.fill_bitmask(bm, 0)
+    texts = {vocab.token_bytes[t] for t in allowed_token_ids(bm, 0, VOCAB)}
+    assert b'"' in texts and b"1" not in texts
 
 
 def test_enum_items_never_start_what_only_a_taken_value_can_finish(backend, tokenizer, vocab):
@@ -280,6 +301,7 @@ def _walk(compiled, vocab, rng, steps=160) -> str | None:
     {"type": "array", "items": {"enum": ["a", "b", "ab", "ba"]}, "uniqueItems": True,
      "minItems": 4},
     {"type": "array", "items": {"type": "string", "enum": ["1", "0", "a"]}, "uniqueItems": True},
+    {"type": "array", "items": {"enum": [1, 10, 0, -1, "1"]}, "uniqueItems": True, "minItems": 5},
 ])
 def test_walks_chasing_duplicates_end_valid(backend, vocab, schema):
     compiled = backend.compile(P(json=schema))
