@@ -89,8 +89,7 @@ def _item_kind(root: Any, array: dict) -> tuple[str, tuple[str, ...]] | None:
         # Strings of printable ASCII without '"' or '\\' and integers: every backend
         # writes them as they are, so an item's bytes so far say which values it can
         # still become.
-        if all((isinstance(v, str) and all(0x20 <= ord(c) < 0x7F and c not in '"\\' for c in v))
-               or (isinstance(v, int) and not isinstance(v, bool)) for v in values):
+        if all(_plain(v) or (isinstance(v, int) and not isinstance(v, bool)) for v in values):
             distinct = tuple(dict.fromkeys(values))
             least = array.get("minItems", 0)
             if isinstance(least, int) and least <= len(distinct):
@@ -127,6 +126,40 @@ def _typed_branches(root: Any, node: dict) -> dict[str, Any] | None:
     return out
 
 
+def _plain(v: Any) -> bool:
+    """A string every backend writes as it is (printable ASCII, no '"' or '\\')."""
+    return isinstance(v, str) and all(0x20 <= ord(c) < 0x7F and c not in '"\\' for c in v)
+
+
+def _discriminated(root: Any, node: dict) -> tuple[str, dict[str, dict]] | None:
+    """`anyOf`/`oneOf` of objects whose first declared property is the same required
+    key with a different constant string in each (a tool call's "name"): (key,
+    {constant: branch}), else None. Backends write the declared order, and the
+    scanner refuses any other key before this one (`step`), so the constant is read
+    before any other member: it tells the branch."""
+    keys = _relevant(node) - ({"type"} if node.get("type") == "object" else set())
+    if len(keys) != 1 or next(iter(keys)) not in ("anyOf", "oneOf"):
+        return None
+    disc: str | None = None
+    out: dict[str, dict] = {}
+    for branch in node[next(iter(keys))]:
+        b = _deref(root, branch)
+        props = b.get("properties") if isinstance(b, dict) else None
+        if not isinstance(props, dict) or not props:
+            return None
+        first = next(iter(props))
+        target = _deref(root, props[first])
+        value = target.get("const") if isinstance(target, dict) else None
+        if isinstance(target, dict) and "const" not in target and \
+                isinstance(target.get("enum"), list) and len(target["enum"]) == 1:
+            value = target["enum"][0]
+        if (disc is not None and first != disc) or not _plain(first) or not _plain(value) \
+                or value in out or first not in (b.get("required") or []):
+            return None
+        disc, out[value] = first, b
+    return (disc, out) if disc is not None else None
+
+
 def _children(root: Any, node: dict) -> tuple[list[Any], list[Any]]:
     """(subschemas a document position reaches unambiguously, every other subschema)."""
     clean: list[Any] = []
@@ -134,6 +167,9 @@ def _children(root: Any, node: dict) -> tuple[list[Any], list[Any]]:
     typed = _typed_branches(root, node)
     if typed is not None:
         return list(typed.values()), []
+    union = _discriminated(root, node)
+    if union is not None:
+        return list(union[1].values()), []
     props = node.get("properties")
     if isinstance(props, dict):
         clean += props.values()
@@ -165,6 +201,15 @@ class UniquePlan:
     schema: Any
     # id(array node) -> (item kind, enum values): see _item_kind
     sites: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    _unions: dict[int, Any] = field(default_factory=dict)   # union() cache (engine thread)
+
+    def union(self, node: Any) -> tuple[str, dict[str, dict]] | None:
+        """`_discriminated(node)`, cached: (its key, {constant: branch}) or None."""
+        if not isinstance(node, dict):
+            return None
+        if id(node) not in self._unions:
+            self._unions[id(node)] = _discriminated(self.schema, node)
+        return self._unions[id(node)]
 
     def child(self, node: Any, key: str | None) -> Any:
         """The schema node of a container's member: `key` in an object, an item of an
@@ -247,6 +292,7 @@ class _Frame:
     want_key: bool = True     # object: the next string is a key
     values: tuple[str, ...] = ()   # 'e': the enum
     need: bool = False        # array: a ',' was read, an item must follow
+    disc: str | None = None   # object of a discriminated union: the key still to read
 
 
 @dataclass(slots=True)
@@ -257,6 +303,7 @@ class _State:
     key_str: bool = False     # the string being read is an object key
     track: bool = False       # the string/number is an item of a unique array
     uhex: int = 0             # hex digits of a \\u escape still to read
+    disc_val: bool = False    # the string is a discriminated union's constant
 
 
 def _value_node(plan_: UniquePlan, st: _State, container: str) -> Any:
@@ -301,7 +348,8 @@ def step(plan_: UniquePlan, st: _State, data: bytes) -> _State:
     for b in data:
         if st.lex == "str":
             if b == 0x5C:                 # backslash
-                st = _State(st.frames, "esc", st.buf + b"\\", st.key_str, st.track)
+                st = _State(st.frames, "esc", st.buf + b"\\", st.key_str, st.track,
+                            disc_val=st.disc_val)
             elif b == 0x22:               # closing quote
                 try:
                     text: Any = json.loads(b'"' + st.buf + b'"')
@@ -309,21 +357,30 @@ def step(plan_: UniquePlan, st: _State, data: bytes) -> _State:
                     text = bytes(st.buf)
                 top = st.frames[-1] if st.frames else None
                 if st.key_str and top is not None:
-                    st = _State(_with_top(st, _Frame(False, top.node, None, top.items, text, False)))
+                    if top.disc is not None and text != top.disc:
+                        raise Duplicate       # another member before the union's constant
+                    st = _State(_with_top(st, _Frame(False, top.node, None, top.items, text, False,
+                                                     disc=top.disc)))
+                elif st.disc_val and top is not None:   # the constant: now the branch is known
+                    branch = plan_.union(top.node)[1].get(text)
+                    st = _State(_with_top(st, _Frame(
+                        False, top.node if branch is None else branch, None, top.items, top.key,
+                        False, disc=top.disc if branch is None else None)))
                 elif st.track:
                     st = _State(_add_item(st, text))
                 else:
                     st = _State(st.frames)
             else:
-                st = _State(st.frames, "str", st.buf + bytes((b,)), st.key_str, st.track)
+                st = _State(st.frames, "str", st.buf + bytes((b,)), st.key_str, st.track,
+                            disc_val=st.disc_val)
             continue
         if st.lex == "esc":
             if st.uhex:
                 st = _State(st.frames, "esc" if st.uhex > 1 else "str", st.buf + bytes((b,)),
-                            st.key_str, st.track, st.uhex - 1)
+                            st.key_str, st.track, st.uhex - 1, st.disc_val)
             else:
                 st = _State(st.frames, "esc" if b == ord("u") else "str", st.buf + bytes((b,)),
-                            st.key_str, st.track, 4 if b == ord("u") else 0)
+                            st.key_str, st.track, 4 if b == ord("u") else 0, st.disc_val)
             continue
         if st.lex == "num":
             if b in _DELIMITERS:
@@ -339,17 +396,25 @@ def step(plan_: UniquePlan, st: _State, data: bytes) -> _State:
         if b == 0x22:                         # a string starts: a key or a value
             if top is not None and not top.array and top.want_key:
                 st = _State(st.frames, "str", b"", key_str=True)
+            elif top is not None and not top.array and top.disc is not None \
+                    and top.key == top.disc:
+                st = _State(st.frames, "str", b"", disc_val=True)
             else:
                 st = _State(st.frames, "str", b"",
                             track=top is not None and top.kind in ("s", "e"))
         elif b in b"{[":
             node = _value_node(plan_, st, "array" if b == 0x5B else "object")
-            kind, values = plan_.sites.get(id(node), (None, ())) if b == 0x5B else (None, ())
-            st = _State(st.frames + (_Frame(b == 0x5B, node, kind, values=values),))
+            if b == 0x5B:
+                kind, values = plan_.sites.get(id(node), (None, ()))
+                st = _State(st.frames + (_Frame(True, node, kind, values=values),))
+            else:
+                union = plan_.union(node)
+                st = _State(st.frames + (_Frame(False, node, disc=union and union[0]),))
         elif b in b"}]":
             st = _State(st.frames[:-1])
         elif b == 0x2C and top is not None and not top.array:     # ',' in an object
-            st = _State(_with_top(st, _Frame(False, top.node, None, top.items, None, True)))
+            st = _State(_with_top(st, _Frame(False, top.node, None, top.items, None, True,
+                                             disc=top.disc)))
         elif b == 0x2C and top is not None and top.kind is not None:   # ',' in a unique array
             st = _State(_with_top(st, _Frame(True, top.node, top.kind, top.items,
                                              values=top.values, need=True)))
@@ -366,9 +431,13 @@ def _stuck(st: _State) -> bool:
     """Whether every way on from `st` repeats an item: a unique integer that can only
     end as 0 (after '0' / '-0') with 0 taken; an enum item whose bytes so far begin
     only taken values, or a ',' with every value taken."""
-    if not st.frames or st.frames[-1].kind is None:
+    if not st.frames:
         return False
     top = st.frames[-1]
+    if top.disc is not None and st.key_str and st.lex in ("str", "esc"):
+        return not top.disc.encode().startswith(st.buf)   # only the union's key may come
+    if top.kind is None:
+        return False
     if top.kind == "i":
         return st.lex == "num" and st.buf in (b"0", b"-0") and 0 in top.items
     if top.kind == "e":

@@ -125,6 +125,49 @@ def test_a_node_reached_both_ways_is_refused(backend):
         backend.compile(P(json=shared))
 
 
+def _call(name: str, arguments: dict) -> dict:     # as gateway/tools.py writes a tool call
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+TOOLS = {"anyOf": [
+    _call("tag", {"type": "object", "properties": {"tags": STR_SET}, "required": ["tags"]}),
+    _call("pick", {"type": "object", "properties": {"ids": INT_SET, "tags": dict(STR_SET)}}),
+]}
+
+
+def test_tool_calls_told_apart_by_name_are_served(backend, tokenizer, vocab):
+    """`tool_choice: required` with several tools: anyOf of calls, the name first."""
+    for schema in (TOOLS, {"type": "array", "items": TOOLS, "minItems": 1}):   # parallel calls
+        assert _served_paths(schema) == 3
+        compiled = backend.compile(P(json=schema))
+        wrap = (lambda t: "[" + t + "]") if schema is not TOOLS else (lambda t: t)
+        for text, ok in [('{"name":"tag","arguments":{"tags":["a","b"]}}', True),
+                         ('{"name":"tag","arguments":{"tags":["a","a"]}}', False),
+                         ('{"name":"pick","arguments":{"ids":[3,4],"tags":["x"]}}', True),
+                         ('{"name":"pick","arguments":{"ids":[3,3]}}', False)]:
+            assert _accepts(compiled, tokenizer, vocab, wrap(text)) == ok, text
+    plan = unique_items.plan(TOOLS)
+    st = unique_items.step(plan, unique_items._State(), b'{"')
+    with pytest.raises(unique_items.Duplicate):      # no member before the name
+        unique_items.step(plan, st, b'arguments"')
+    assert unique_items._stuck(unique_items.step(plan, st, b'arg'))
+    assert not unique_items._stuck(unique_items.step(plan, st, b'na'))
+
+
+def test_unions_a_name_cannot_tell_apart_stay_refused(backend):
+    same = {"anyOf": [_call("a", {"type": "object", "properties": {"t": STR_SET}}),
+                      _call("a", {"type": "object"})]}
+    late = {"anyOf": [{"type": "object", "properties": {"arguments": STR_SET, "name": {"const": "a"}},
+                       "required": ["name"]},
+                      {"type": "object", "properties": {"arguments": {}, "name": {"const": "b"}},
+                       "required": ["name"]}]}
+    for schema in (same, late):
+        assert _served_paths(schema) == 0
+        with pytest.raises(UnsupportedSchemaError, match="uniqueItems"):
+            backend.compile(P(json=schema))
+
+
 # -- exact texts ------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, ok", [
@@ -298,6 +341,7 @@ def _walk(compiled, vocab, rng, steps=160) -> str | None:
     {"type": "array", "items": {"type": "string", "minLength": 1}, "uniqueItems": True,
      "minItems": 4, "maxItems": 6},
     Record.model_json_schema(),
+    {"type": "array", "items": TOOLS, "minItems": 1},
     {"type": "array", "items": {"enum": ["a", "b", "ab", "ba"]}, "uniqueItems": True,
      "minItems": 4},
     {"type": "array", "items": {"type": "string", "enum": ["1", "0", "a"]}, "uniqueItems": True},
