@@ -6,6 +6,7 @@ byte), so no grammar made here ever allows them.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import llguidance as llg
@@ -164,6 +165,8 @@ class LLGuidanceBackend(GrammarBackend):
         self._batch_fill_min = batch_fill_min
         self._eos = vocab.eos_token_id
         self._vocab = vocab
+        self._sets: unique_items_matcher.TokenSets | None = None
+        self._sets_lock = threading.Lock()
 
     def check(self, params: StructuredOutputsParams) -> None:
         to_llguidance(params)
@@ -173,8 +176,16 @@ class LLGuidanceBackend(GrammarBackend):
         if params.kind() == "json":
             plan = unique_items.plan(params.spec())
             if plan.sites:
-                return unique_items_matcher.UniqueItemsCompiled(compiled, plan, self._vocab)
+                return unique_items_matcher.UniqueItemsCompiled(compiled, plan, self._unique_sets())
         return compiled
+
+    def _unique_sets(self) -> unique_items_matcher.TokenSets:
+        """The vocabulary's token sets for `uniqueItems` matchers, built on first use
+        (compile threads may ask at once)."""
+        with self._sets_lock:
+            if self._sets is None:
+                self._sets = unique_items_matcher.TokenSets(self._vocab)
+            return self._sets
 
     def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
                       rows: Sequence[int]) -> None:

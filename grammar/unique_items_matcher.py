@@ -13,8 +13,9 @@ from formwork.grammar.unique_items import _DELIMITERS, UniquePlan, _follows, _St
 from formwork.grammar.vocab import TokenVocab
 
 
-class _TokenSets:
-    """Per vocabulary: the tokens that can complete an item, by context."""
+class TokenSets:
+    """Per vocabulary (a backend builds one, ~50 ms): the tokens that can complete
+    an item, by context."""
 
     def __init__(self, vocab: TokenVocab):
         tb = vocab.token_bytes
@@ -27,23 +28,13 @@ class _TokenSets:
         self.risky = np.union1d(self.quote, self.digit)
 
 
-_SETS: dict[int, _TokenSets] = {}
-
-
-def _sets(vocab: TokenVocab) -> _TokenSets:
-    if id(vocab) not in _SETS:
-        _SETS[id(vocab)] = _TokenSets(vocab)
-    return _SETS[id(vocab)]
-
-
 class UniqueItemsMatcher(Matcher):
     """`inner` (the grammar without the served `uniqueItems`) plus uniqueness."""
 
-    def __init__(self, inner: Matcher, plan_: UniquePlan, vocab: TokenVocab):
+    def __init__(self, inner: Matcher, plan_: UniquePlan, sets: TokenSets):
         self.inner = inner
         self._plan = plan_
-        self._vocab = vocab
-        self._sets = _sets(vocab)
+        self._sets = sets
         self._states = [_State()]
 
     @property
@@ -53,7 +44,7 @@ class UniqueItemsMatcher(Matcher):
     def _after(self, token_ids: Sequence[int]) -> list[_State] | None:
         st, out = self._states[-1], []
         for t in token_ids:
-            data = self._vocab.token_bytes[t] if 0 <= t < len(self._vocab.token_bytes) else None
+            data = self._sets.bytes[t] if 0 <= t < len(self._sets.bytes) else None
             if data:
                 nxt = _follows(self._plan, st, data)
                 if nxt is None:
@@ -122,11 +113,11 @@ class UniqueItemsMatcher(Matcher):
 
 
 class UniqueItemsCompiled(CompiledGrammar):
-    def __init__(self, inner: CompiledGrammar, plan_: UniquePlan, vocab: TokenVocab):
+    def __init__(self, inner: CompiledGrammar, plan_: UniquePlan, sets: TokenSets):
         self.inner = inner
         self.backend_name = inner.backend_name
         self.plan = plan_
-        self._vocab = vocab
+        self._sets = sets
 
     def new_matcher(self) -> UniqueItemsMatcher:
-        return UniqueItemsMatcher(self.inner.new_matcher(), self.plan, self._vocab)
+        return UniqueItemsMatcher(self.inner.new_matcher(), self.plan, self._sets)
