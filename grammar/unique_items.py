@@ -1,32 +1,32 @@
-"""`uniqueItems` enforced while decoding, for arrays of free strings or integers.
+"""`uniqueItems` enforced while decoding: the plan (which sites) and the scanner.
 
 No grammar says "no two items equal" (the language is not context-free), so the
-backends refuse the keyword, and so did formwork: a pydantic `set[str]` or
-`frozenset[int]` field was a 400. Such a set cannot run out of fresh items — a
-string without maxLength/pattern/enum/format can always take another character,
-an integer another digit — so uniqueness can be kept token by token without
-dead ends: the grammar enforces everything but `uniqueItems`, and a matcher
-wrapper follows the generated JSON and refuses (in the mask and in
-`accept_tokens`) every token that would complete an item equal to an earlier one
-of its array (equal as JSON values, as `jsonschema` compares them: decoded
-strings, numbers by value, so `1.0` repeats `1`).
+backends refuse the keyword, and so did formwork: a pydantic `set[str]`,
+`frozenset[int]` or `set[Enum]` field was a 400. The grammar now enforces
+everything but `uniqueItems` at the served sites, and a matcher wrapper
+(grammar/unique_items_matcher.py) follows the generated JSON and refuses, in the
+mask and in `accept_tokens`, every token that would complete an item equal to an
+earlier one of its array (equal as JSON values, as `jsonschema` compares them:
+decoded strings, numbers by value, so `1.0` repeats `1`).
 
-Served sites (`plan`): an array node with `uniqueItems: true` whose `items` is a
-plain string (`minLength` allowed) or a plain integer (at most one bound), reached
-from the root only through `properties`, `additionalProperties` (a schema, no
-`patternProperties` beside it), `items` (one schema) and local `$ref`s — so a
-document position tells which schema node it is in. A `uniqueItems` reached
-through anything else (anyOf/oneOf/allOf branches, prefixItems, ...) or with
-other item types stays in the schema, and the backend refuses it, naming it.
-Enum items (a finite set that can run out) are not served.
+A site is served only where refusing duplicates can never leave the model with
+no token (`_item_kind`, `_stuck`): string items without pattern/format/enum (one
+below its maxLength can always take another character; one at it can only close,
+so reaching it equal to a taken item is refused), integers whose digits can
+always grow, enums of plain strings and integers (an item's bytes so far must
+still begin an untaken value; no ',' once all are taken). And only where a
+document position tells the schema node: reached from the root through
+`properties`, `additionalProperties` (a schema, no `patternProperties` beside it),
+`items` (one schema), local `$ref`s, `anyOf`/`oneOf` of differently typed
+branches, and `anyOf`/`oneOf` of objects told apart by a first, required,
+constant member (`_discriminated`). Any other `uniqueItems` stays in the schema,
+and the backend refuses it, naming it.
 
-This module (the plan and the scanner) imports neither torch nor a backend: the
-gateway runs it in its schema checks. The matcher is grammar/unique_items_matcher.py.
-
-The wrapper reads the bytes of each token with a small JSON scanner (the
-grammar guarantees the text is JSON, so the scanner only tracks where it is:
-containers, the current key, the current string or number); its state after
-each accepted token is kept for rollback.
+This module imports neither torch nor a backend: the gateway runs it in its
+schema checks. The scanner reads the bytes of each token (the grammar guarantees
+the text is JSON, so it only tracks where it is: containers, the current key,
+the current string or number); the matcher keeps its state after each accepted
+token for rollback.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from formwork.grammar.schema_merge import ANNOTATIONS
 from formwork.grammar.schema_rules import ASSERTIONS
 from formwork.grammar.schema_walk import resolve_local_ref
 
-_STRING_KEYS = frozenset({"type", "minLength"})
+_STRING_KEYS = frozenset({"type", "minLength", "maxLength"})
 _ENUM_KEYS = frozenset({"type", "enum"})
 _INTEGER_KEYS = frozenset({"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 _ARRAY_KEYS = frozenset({"type", "items", "uniqueItems", "minItems", "maxItems"})
@@ -71,10 +71,11 @@ def _is_type(node: dict, name: str, default: bool) -> bool:
     return t == name or (isinstance(t, list) and name in t and set(t) - {name} <= _SCALARS)
 
 
-def _item_kind(root: Any, array: dict) -> tuple[str, tuple[str, ...]] | None:
-    """('s', ()) free string items, ('i', ()) integers whose digits can always grow,
-    ('e', values) enum items (strings, integers) that can always be told apart and
-    cannot run out before minItems; else None."""
+def _item_kind(root: Any, array: dict) -> tuple[str, tuple, int | None] | None:
+    """('s', (), maxLength or None) string items without pattern/format/enum,
+    ('i', (), None) integers whose digits can always grow, ('e', values, None) enum
+    items (strings, integers) that can always be told apart and cannot run out
+    before minItems; else None."""
     if _relevant(array) - _ARRAY_KEYS or not _is_type(array, "array", True):
         return None
     items = _deref(root, array.get("items"))
@@ -82,7 +83,13 @@ def _item_kind(root: Any, array: dict) -> tuple[str, tuple[str, ...]] | None:
         return None
     keys = _relevant(items)
     if items.get("type") == "string" and keys <= _STRING_KEYS:
-        return "s", ()
+        # A string at its maxLength can only close (_stuck refuses reaching it equal to
+        # a taken item); below it, any other character keeps it new. maxLength 0
+        # allows one item only.
+        most = items.get("maxLength")
+        if most is None or (isinstance(most, int) and not isinstance(most, bool) and most >= 1):
+            return "s", (), most
+        return None
     if isinstance(items.get("enum"), list) and keys <= _ENUM_KEYS \
             and items.get("type") in (None, "string", "integer"):
         values = items["enum"]
@@ -93,7 +100,7 @@ def _item_kind(root: Any, array: dict) -> tuple[str, tuple[str, ...]] | None:
             distinct = tuple(dict.fromkeys(values))
             least = array.get("minItems", 0)
             if isinstance(least, int) and least <= len(distinct):
-                return "e", distinct
+                return "e", distinct, None
         return None
     if items.get("type") == "integer" and keys <= _INTEGER_KEYS:
         # Every item must be able to take another digit, or an item could be stuck
@@ -106,7 +113,7 @@ def _item_kind(root: Any, array: dict) -> tuple[str, tuple[str, ...]] | None:
             return None
         if (not low and not high) or (low and not high and min(low) >= 0) \
                 or (high and not low and max(high) <= 0):
-            return "i", ()
+            return "i", (), None
     return None
 
 
@@ -199,8 +206,8 @@ def _children(root: Any, node: dict) -> tuple[list[Any], list[Any]]:
 class UniquePlan:
     """The schema (its served `uniqueItems` removed) and its served array nodes."""
     schema: Any
-    # id(array node) -> (item kind, enum values): see _item_kind
-    sites: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    # id(array node) -> (item kind, enum values, string maxLength): see _item_kind
+    sites: dict[int, tuple[str, tuple, int | None]] = field(default_factory=dict)
     _unions: dict[int, Any] = field(default_factory=dict)   # union() cache (engine thread)
 
     def union(self, node: Any) -> tuple[str, dict[str, dict]] | None:
@@ -292,6 +299,7 @@ class _Frame:
     want_key: bool = True     # object: the next string is a key
     values: tuple[str, ...] = ()   # 'e': the enum
     need: bool = False        # array: a ',' was read, an item must follow
+    max_len: int | None = None   # 's': the items' maxLength
     disc: str | None = None   # object of a discriminated union: the key still to read
 
 
@@ -328,7 +336,8 @@ def _add_item(st: _State, value: Any) -> tuple[_Frame, ...]:
     top = st.frames[-1]
     if value in top.items:
         raise Duplicate
-    return _with_top(st, _Frame(True, top.node, top.kind, top.items | {value}, values=top.values))
+    return _with_top(st, _Frame(True, top.node, top.kind, top.items | {value}, values=top.values,
+                                max_len=top.max_len))
 
 
 def _end_number(plan_: UniquePlan, st: _State) -> _State:
@@ -405,8 +414,8 @@ def step(plan_: UniquePlan, st: _State, data: bytes) -> _State:
         elif b in b"{[":
             node = _value_node(plan_, st, "array" if b == 0x5B else "object")
             if b == 0x5B:
-                kind, values = plan_.sites.get(id(node), (None, ()))
-                st = _State(st.frames + (_Frame(True, node, kind, values=values),))
+                kind, values, most = plan_.sites.get(id(node), (None, (), None))
+                st = _State(st.frames + (_Frame(True, node, kind, values=values, max_len=most),))
             else:
                 union = plan_.union(node)
                 st = _State(st.frames + (_Frame(False, node, disc=union and union[0]),))
@@ -417,7 +426,7 @@ def step(plan_: UniquePlan, st: _State, data: bytes) -> _State:
                                              disc=top.disc)))
         elif b == 0x2C and top is not None and top.kind is not None:   # ',' in a unique array
             st = _State(_with_top(st, _Frame(True, top.node, top.kind, top.items,
-                                             values=top.values, need=True)))
+                                             values=top.values, need=True, max_len=top.max_len)))
         elif b == 0x2D or 0x30 <= b <= 0x39:  # '-' or a digit: a number starts
             st = _State(st.frames, "num", bytes((b,)),
                         track=top is not None and top.kind in ("i", "e"))
@@ -440,6 +449,14 @@ def _stuck(st: _State) -> bool:
         return False
     if top.kind == "i":
         return st.lex == "num" and st.buf in (b"0", b"-0") and 0 in top.items
+    if top.kind == "s":
+        if top.max_len is None or st.lex != "str" or not st.track:
+            return False
+        try:       # a character still incomplete: any other last byte keeps it new
+            text = json.loads(b'"' + st.buf + b'"')
+        except ValueError:
+            return False
+        return len(text) == top.max_len and text in top.items
     if top.kind == "e":
         if st.lex in ("str", "esc", "num"):
             number = st.lex == "num"

@@ -3,6 +3,7 @@ the scanner): a wrapper around a backend's matcher that refuses every token
 completing a duplicate item, in the mask and on accept."""
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,6 +27,11 @@ class TokenSets:
         self.delim = np.array([i for i, b in enumerate(tb) if b and any(c in _DELIMITERS for c in b)],
                               dtype=np.int64)
         self.risky = np.union1d(self.quote, self.digit)
+        self.backslash = np.array([i for i, b in enumerate(tb) if b and b"\\" in b], dtype=np.int64)
+        self.by_bytes: dict[bytes, int] = {}
+        for i, b in enumerate(tb):
+            if b:
+                self.by_bytes.setdefault(b, i)
 
 
 class UniqueItemsMatcher(Matcher):
@@ -82,6 +88,8 @@ class UniqueItemsMatcher(Matcher):
             cands = sets.risky
             if st.lex == "num" and st.track:
                 cands = np.union1d(cands, sets.delim)
+            elif st.lex == "str" and st.track and st.frames[-1].max_len is not None:
+                cands = np.union1d(cands, self._to_max_length(st))
             cands = cands[cands < words.shape[0] * 32]
             on = (words[cands >> 5].astype(np.int64) >> (cands & 31)) & 1
             allowed = cands[on.astype(bool)]
@@ -92,6 +100,20 @@ class UniqueItemsMatcher(Matcher):
                 w, bit = divmod(t, 32)
                 value = (int(words[w]) & 0xFFFFFFFF) & ~(1 << bit)
                 words[w] = value - (1 << 32) if value >= 1 << 31 else value
+
+    def _to_max_length(self, st: _State) -> np.ndarray:
+        """Tokens that may bring a string item to its maxLength (where it can only
+        close) equal to a taken item: the rest of each such item as one token, and
+        every token with an escape."""
+        top = st.frames[-1]
+        try:
+            so_far = json.loads(b'"' + st.buf + b'"')
+        except ValueError:
+            return self._sets.backslash
+        ids = [self._sets.by_bytes.get(u[len(so_far):].encode()) for u in top.items
+               if isinstance(u, str) and len(u) == top.max_len and u.startswith(so_far)]
+        return np.union1d(self._sets.backslash, np.array([i for i in ids if i is not None],
+                                                          dtype=np.int64))
 
     def is_terminated(self) -> bool:
         return self.inner.is_terminated()

@@ -76,7 +76,7 @@ def test_pydantic_sets_are_served_everywhere_a_position_tells_the_node():
     # tags, ids, maybe (Optional: anyOf array|null), Inner.labels ($defs), the
     # list's items, the dict's values, the two enum sets
     assert len(plan.sites) == 8
-    assert sorted(k for k, _ in plan.sites.values()).count("e") == 2
+    assert sorted(k for k, _, _ in plan.sites.values()).count("e") == 2
     assert '"uniqueItems"' not in json.dumps(plan.schema)
     assert '"uniqueItems"' in json.dumps(schema)          # the input is not mutated
     assert choose_backend(P(json=schema)) == "llguidance"
@@ -88,7 +88,7 @@ def test_pydantic_sets_are_served_everywhere_a_position_tells_the_node():
     {"type": "array", "items": {"enum": ["a", True]}, "uniqueItems": True},
     {"type": "array", "items": {"enum": ["é", "e"]}, "uniqueItems": True},
     {"type": "array", "items": {"type": "object"}, "uniqueItems": True},
-    {"type": "array", "items": {"type": "string", "maxLength": 2}, "uniqueItems": True},
+    {"type": "array", "items": {"type": "string", "maxLength": 0}, "uniqueItems": True},
     {"type": "array", "items": {"type": "string", "pattern": "^a+$"}, "uniqueItems": True},
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 3},
      "uniqueItems": True},
@@ -189,6 +189,20 @@ def test_duplicates_are_refused_and_the_rest_accepted(backend, tokenizer, vocab,
     assert isinstance(compiled, unique_items_matcher.UniqueItemsCompiled)
     assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) == ok
     assert _accepts(compiled, tokenizer, vocab, text) == ok
+
+
+def test_a_string_at_its_max_length_that_repeats_an_item_is_never_reached(
+        backend, tokenizer, vocab):
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 2}, "uniqueItems": True}
+    compiled = backend.compile(P(json=schema))
+    assert _accepts(compiled, tokenizer, vocab, '["ab","a","ba",""]')
+    assert not _accepts(compiled, tokenizer, vocab, '["ab","ab"]')
+    m = compiled.new_matcher()
+    assert m.accept_tokens(tokenizer.encode('["ab","a', add_special_tokens=False))
+    bm = allocate_bitmask(1, VOCAB)
+    m.fill_bitmask(bm, 0)
+    texts = {vocab.token_bytes[t] for t in allowed_token_ids(bm, 0, VOCAB)}
+    assert b"c" in texts and b"b" not in texts and b'"' in texts    # "ab" taken, "a" not
 
 
 @pytest.mark.parametrize("text, ok", [
@@ -340,6 +354,8 @@ def _walk(compiled, vocab, rng, steps=160) -> str | None:
      "minItems": 3},
     {"type": "array", "items": {"type": "string", "minLength": 1}, "uniqueItems": True,
      "minItems": 4, "maxItems": 6},
+    {"type": "array", "items": {"type": "string", "maxLength": 1}, "uniqueItems": True,
+     "minItems": 6},
     Record.model_json_schema(),
     {"type": "array", "items": TOOLS, "minItems": 1},
     {"type": "array", "items": {"enum": ["a", "b", "ab", "ba"]}, "uniqueItems": True,
