@@ -290,8 +290,8 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
 
 
 def _checked_json(schema: Any, params: StructuredOutputsParams) -> str:
-    # `uniqueItems` on arrays of free strings/integers is kept while decoding
-    # (grammar/unique_items.py): the grammar is built without it there.
+    # `uniqueItems` at the sites grammar/unique_items.py serves is kept while decoding
+    # (its matcher wrapper): the grammar is built without it there.
     return _checked_schema(unique_items.plan(schema).schema, params)[1]
 
 
