@@ -19,7 +19,7 @@ import torch
 
 from formwork.grammar.backend import Matcher
 from formwork.grammar.jump_forward import ForcedTextEncoder, forced_tokens
-from formwork.grammar.vocab import TokenVocab
+from formwork.grammar.vocab import TokenVocab, first_id_by_bytes
 
 # Closing texts, best first: they end strings, objects and arrays, or are the
 # shortest values ("0", '""', "null") of their type; "{" / "[" open a required one.
@@ -99,10 +99,7 @@ class ClosingSearch:
     def __init__(self, vocab: TokenVocab, vocab_size: int, eos_token_id: int | None,
                  encoder: ForcedTextEncoder):
         self._encoder = encoder     # forced text, tokenized as jump-forward does
-        by_bytes: dict[bytes, int] = {}
-        for tid, b in enumerate(vocab.token_bytes[:vocab_size]):
-            if b is not None and b not in by_bytes:
-                by_bytes[b] = tid
+        by_bytes = first_id_by_bytes(vocab.token_bytes[:vocab_size])
         self.orders = [[by_bytes[c.encode()] for c in order if c.encode() in by_bytes]
                        for order in (CLOSERS, CLOSERS_ALT)]
         singles = sorted((b, t) for b, t in by_bytes.items() if len(b) == 1)

@@ -340,7 +340,7 @@ def _add_item(st: _State, value: Any) -> tuple[_Frame, ...]:
                                 max_len=top.max_len))
 
 
-def _end_number(plan_: UniquePlan, st: _State) -> _State:
+def _end_number(st: _State) -> _State:
     frames = st.frames
     if st.track:
         try:
@@ -393,7 +393,7 @@ def step(plan_: UniquePlan, st: _State, data: bytes) -> _State:
             continue
         if st.lex == "num":
             if b in _DELIMITERS:
-                st = _end_number(plan_, st)   # then the delimiter below
+                st = _end_number(st)   # then the delimiter below
             else:
                 st = _State(st.frames, "num", st.buf + bytes((b,)), track=st.track)
                 continue

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from formwork.grammar.backend import CompiledGrammar, Matcher
+from formwork.grammar.backend import CompiledGrammar, Matcher, allowed_token_ids
 from formwork.grammar.unique_items import _DELIMITERS, UniquePlan, _follows, _State
-from formwork.grammar.vocab import TokenVocab
+from formwork.grammar.vocab import TokenVocab, first_id_by_bytes
 
 
 class TokenSets:
@@ -28,10 +28,7 @@ class TokenSets:
                               dtype=np.int64)
         self.risky = np.union1d(self.quote, self.digit)
         self.backslash = np.array([i for i, b in enumerate(tb) if b and b"\\" in b], dtype=np.int64)
-        self.by_bytes: dict[bytes, int] = {}
-        for i, b in enumerate(tb):
-            if b:
-                self.by_bytes.setdefault(b, i)
+        self.by_bytes = first_id_by_bytes(tb)
 
 
 class UniqueItemsMatcher(Matcher):
@@ -42,6 +39,10 @@ class UniqueItemsMatcher(Matcher):
         self._plan = plan_
         self._sets = sets
         self._states = [_State()]
+        # (token, state after it) that `accepts` found allowed in the current state: the
+        # deferred-mask check asks, then the engine accepts the same token; it is not
+        # scanned twice. Cleared by every state change.
+        self._checked: tuple[int, _State] | None = None
 
     @property
     def error(self) -> str:
@@ -60,14 +61,20 @@ class UniqueItemsMatcher(Matcher):
         return out
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
-        states = self._after([int(t) for t in token_ids])
+        ids = [int(t) for t in token_ids]
+        checked, self._checked = self._checked, None
+        states = [checked[1]] if checked is not None and ids == [checked[0]] else self._after(ids)
         if states is None or not self.inner.accept_tokens(token_ids):
             return False
         self._states += states
         return True
 
     def accepts(self, token_id: int) -> bool:
-        return self._after([int(token_id)]) is not None and self.inner.accepts(token_id)
+        states = self._after([int(token_id)])
+        if states is None or not self.inner.accepts(token_id):
+            return False
+        self._checked = (int(token_id), states[0])
+        return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.inner.fill_bitmask(bitmask, row)
@@ -80,10 +87,9 @@ class UniqueItemsMatcher(Matcher):
         if self.inner.is_terminated():
             return
         sets = self._sets
-        words = bitmask[row].numpy()
+        words = bitmask[row].numpy().view(np.uint32)
         if st.frames and st.frames[-1].kind == "e":    # any token may leave only taken values
-            bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-            allowed = np.flatnonzero(bits[:len(sets.bytes)])
+            allowed = np.array(allowed_token_ids(bitmask, row, len(sets.bytes)), dtype=np.int64)
         else:
             cands = sets.risky
             if st.lex == "num" and st.track:
@@ -91,15 +97,11 @@ class UniqueItemsMatcher(Matcher):
             elif st.lex == "str" and st.track and st.frames[-1].max_len is not None:
                 cands = np.union1d(cands, self._to_max_length(st))
             cands = cands[cands < words.shape[0] * 32]
-            on = (words[cands >> 5].astype(np.int64) >> (cands & 31)) & 1
+            on = (words[cands >> 5] >> (cands & 31).astype(np.uint32)) & 1
             allowed = cands[on.astype(bool)]
         for t in allowed.tolist():
-            if not sets.bytes[t]:
-                continue
-            if _follows(self._plan, st, sets.bytes[t]) is None:
-                w, bit = divmod(t, 32)
-                value = (int(words[w]) & 0xFFFFFFFF) & ~(1 << bit)
-                words[w] = value - (1 << 32) if value >= 1 << 31 else value
+            if sets.bytes[t] and _follows(self._plan, st, sets.bytes[t]) is None:
+                words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
 
     def _to_max_length(self, st: _State) -> np.ndarray:
         """Tokens that may bring a string item to its maxLength (where it can only
@@ -119,11 +121,13 @@ class UniqueItemsMatcher(Matcher):
         return self.inner.is_terminated()
 
     def rollback(self, num_tokens: int) -> None:
+        self._checked = None
         if num_tokens:
             self.inner.rollback(num_tokens)
             del self._states[-num_tokens:]
 
     def reset(self) -> None:
+        self._checked = None
         self.inner.reset()
         self._states = [_State()]
 

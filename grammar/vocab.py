@@ -7,6 +7,7 @@ the client sees would then differ from the text the matcher checked.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -102,6 +103,15 @@ class TokenVocab:
         """True if some longer ordinary token starts with this token's bytes, i.e.
         a tokenizer could merge this token with text that follows it."""
         return token_id in self._prefix_ids
+
+
+def first_id_by_bytes(token_bytes: Sequence[bytes | None]) -> dict[bytes, int]:
+    """{bytes: the lowest id spelled so}, over the ids that have bytes."""
+    out: dict[bytes, int] = {}
+    for tid, b in enumerate(token_bytes):
+        if b is not None and b not in out:
+            out[b] = tid
+    return out
 
 
 def _strict_prefix_ids(token_bytes: list[bytes | None]) -> frozenset[int]:
