@@ -9,6 +9,7 @@ pass vacuously, and every valid record is re-checked with jsonschema.
 from __future__ import annotations
 
 import argparse
+import codecs
 import io
 import json
 import os
@@ -21,7 +22,8 @@ import pytest
 
 import formwork.gateway.llm
 from formwork.gateway.extract import cli as extract_cli
-from formwork.gateway.extract.inputs import Document, UsageError, collect_documents, load_schema
+from formwork.gateway.extract.inputs import (Document, UsageError, collect_documents, decode_text,
+                                             load_schema)
 from formwork.gateway.extract.records import judge, make_validator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -188,6 +190,40 @@ def test_collect_documents(tmp_path):
         collect_documents([str(tmp_path / "docs"), str(tmp_path / "docs")])
     with pytest.raises(UsageError, match="no documents"):
         collect_documents([str(tmp_path / "docs")], globs=("*.pdf",))
+
+
+@pytest.mark.parametrize("data, text", [
+    ("Müller GmbH, 5 €".encode("utf-8"), "Müller GmbH, 5 €"),
+    ("Müller GmbH, 5 €".encode("cp1252"), "Müller GmbH, 5 €"),      # not UTF-8: Windows-1252
+    (b"M\xfcller \x81", "Müller \x81"),                            # a byte cp1252 leaves undefined
+    (codecs.BOM_UTF8 + "Zoë".encode("utf-8"), "Zoë"),               # the mark is dropped
+    ("Zoë 日本".encode("utf-16"), "Zoë 日本"),                        # BOM'd UTF-16 (has NUL bytes)
+    (codecs.BOM_UTF16_BE + "Zoë".encode("utf-16-be"), "Zoë"),
+    ("Zoë".encode("utf-32"), "Zoë"),
+])
+def test_decode_text(data, text):
+    assert decode_text(data) == (text, None)
+
+
+def test_documents_that_are_not_text_or_are_empty_are_recorded_not_sent(tmp_path):
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "scan.txt").write_bytes(b"%PDF-1.7\n\x00\x01\x02binary")
+    (d / "blank.txt").write_text(" \n\t\n")
+    (d / "bad16.txt").write_bytes(codecs.BOM_UTF16_LE + b"\x00\xd8")   # a lone surrogate
+    (d / "latin.txt").write_bytes("Rechnung von Müller".encode("latin-1"))
+    jl = tmp_path / "in.jsonl"
+    jl.write_text('{"text": ""}\n{"text": "ok"}\n')
+    docs = {x.id: x for x in collect_documents([str(d), str(jl)])}
+    assert docs["scan.txt"].text is None and "binary file" in docs["scan.txt"].error
+    assert docs["blank.txt"].text is None and docs["blank.txt"].error.startswith("empty document")
+    assert docs["bad16.txt"].text is None and "UTF-16" in docs["bad16.txt"].error
+    assert docs["latin.txt"].text == "Rechnung von Müller" and docs["latin.txt"].error is None
+    assert docs[f"{jl}:1"].error.startswith("empty document") and docs[f"{jl}:2"].text == "ok"
+    stdin = io.TextIOWrapper(io.BytesIO("Grüße".encode("cp1252")), encoding="ascii")
+    assert collect_documents(["-"], stdin=stdin)[0].text == "Grüße"   # bytes, not the locale's codec
+    empty = collect_documents(["-"], stdin=io.StringIO(""))[0]
+    assert empty.text is None and empty.error.startswith("empty document")
 
 
 @pytest.mark.parametrize("text, finish, valid, error", [

@@ -29,6 +29,10 @@ failed instead. Offline the engine's tokenizer measures the prompt; with
 --server the server's POST /tokenize and /detokenize do (see
 gateway/extract/server.py), and a server without them gets documents whole.
 
+Text: a byte-order mark names the encoding (UTF-8/16/32), else UTF-8, else
+Windows-1252 (most non-UTF-8 text files); a file with NUL bytes (PDF, image...)
+and an empty or blank document are recorded as failed, never sent.
+
 Ids: a file found in a folder -> its path relative to that folder; a file named
 on the command line -> the path as given; `-` -> "stdin"; a JSONL line -> its
 --id-field value, else "PATH:LINE". --resume appends to -o and skips ids it

@@ -5,6 +5,7 @@ is loaded.
 """
 from __future__ import annotations
 
+import codecs
 import importlib
 import importlib.util
 import json
@@ -98,11 +99,66 @@ def check_schema(schema, where: str = "schema") -> None:
 
 
 # -- inputs ---------------------------------------------------------------
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+         (codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"),
+         (codecs.BOM_UTF16_BE, "utf-16"))     # UTF-32 LE first: its BOM starts with UTF-16 LE's
+
+
+def decode_text(data: bytes) -> tuple[str | None, str | None]:
+    """(text, None), or (None, why) for bytes that are not a text document.
+
+    A byte-order mark names the encoding (UTF-8/16/32; the mark is dropped);
+    otherwise UTF-8, and bytes that are not UTF-8 are read as Windows-1252 (a
+    superset of Latin-1 for text: the encoding of most non-UTF-8 text files), so
+    that "M\xfcller" is "Müller" and not "M\ufffdller". A NUL byte outside a BOM'd
+    UTF-16/32 file means a binary file (PDF, image, archive...): refused rather than
+    sent to the model as garbage. The standard library's codecs do the work: a
+    charset detector (chardet and co.) would guess among many more encodings from
+    statistics, which is no more certain for short documents."""
+    for bom, enc in _BOMS:
+        if data.startswith(bom):
+            try:
+                return data.decode(enc), None
+            except UnicodeDecodeError as e:
+                return None, f"not valid {enc.upper().removesuffix('-SIG')} text after its byte-order mark: {e.reason}"
+    if b"\x00" in data:
+        return None, "binary file (it has NUL bytes), not a text document"
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError:
+        pass
+    try:
+        return data.decode("cp1252"), None
+    except UnicodeDecodeError:               # the 5 bytes cp1252 leaves undefined
+        return data.decode("latin-1"), None
+
+
+def _check_text(doc_id: str, source: str, text: str) -> Document:
+    if not text.strip():
+        return Document(doc_id, source, None, "empty document: nothing to extract")
+    return Document(doc_id, source, text)
+
+
 def _read(path: pathlib.Path, doc_id: str) -> Document:
     try:
-        return Document(doc_id, str(path), path.read_bytes().decode("utf-8", errors="replace"))
+        data = path.read_bytes()
     except OSError as e:
         return Document(doc_id, str(path), None, f"cannot read {path}: {e.strerror or e}")
+    text, why = decode_text(data)
+    if text is None:
+        return Document(doc_id, str(path), None, f"{path}: {why}")
+    return _check_text(doc_id, str(path), text)
+
+
+def _stdin(stream) -> Document:
+    """stdin as one document: its bytes decoded as a file's are (not by the locale's
+    codec, which would fail on the first non-UTF-8 byte); a text stream as it is."""
+    raw = getattr(stream, "buffer", None)
+    if raw is None:
+        return _check_text("stdin", "-", stream.read())
+    text, why = decode_text(raw.read())
+    return Document("stdin", "-", None, f"stdin: {why}") if text is None \
+        else _check_text("stdin", "-", text)
 
 
 def _jsonl(path: str, text_field: str, id_field: str | None) -> list[Document]:
@@ -120,8 +176,11 @@ def _jsonl(path: str, text_field: str, id_field: str | None) -> list[Document]:
             obj = obj if isinstance(obj, dict) else {}
             doc_id = str(obj[id_field]) if id_field and obj.get(id_field) is not None else source
             text = obj.get(text_field)
-            error = None if isinstance(text, str) else f"line {n} has no string field {text_field!r}"
-            docs.append(Document(doc_id, source, text if error is None else None, error))
+            if isinstance(text, str):
+                docs.append(_check_text(doc_id, source, text))
+            else:
+                docs.append(Document(doc_id, source, None,
+                                     f"line {n} has no string field {text_field!r}"))
     return docs
 
 
@@ -133,7 +192,7 @@ def collect_documents(inputs: list[str], *, globs=DEFAULT_GLOBS, text_field: str
     for arg in inputs:
         path = pathlib.Path(arg)
         if arg == "-":
-            docs.append(Document("stdin", "-", (stdin or sys.stdin).read()))
+            docs.append(_stdin(stdin or sys.stdin))
         elif path.is_dir():
             found = sorted({p for g in globs for p in path.rglob(g) if p.is_file()})
             docs += [_read(p, p.relative_to(path).as_posix()) for p in found]
