@@ -8,8 +8,9 @@ from formwork.core.prompt_logprobs import PromptLogprobsCollector
 from formwork.core.request import Request
 from formwork.schemas.engine import EngineCoreOutput, Logprob, PromptLogprobs, TokenLogprobs
 
-# (chosen token's logprob, [(token id, logprob) of the top ones]) as the runner returns it
-RawLogprobs = tuple[float, list[tuple[int, float]]]
+# (chosen token's logprob, [(token id, logprob) of the top ones], chosen token's 1-based
+# rank) as the runner returns it
+RawLogprobs = tuple[float, list[tuple[int, float]], int]
 
 
 class OutputBuffer:
@@ -22,9 +23,9 @@ class OutputBuffer:
         req.output_token_ids.append(token_id)
         req.pending_output_ids.append(token_id)
         if req.sampling_params.logprobs is not None and lp is not None:
-            chosen, top = lp
+            chosen, top, rank = lp
             self._logprobs.setdefault(req.request_id, []).append(TokenLogprobs(
-                chosen=Logprob(token_id, chosen), top=[Logprob(t, v) for t, v in top]))
+                chosen=Logprob(token_id, chosen), top=[Logprob(t, v) for t, v in top], rank=rank))
 
     def add_prompt_logprobs(self, req: Request,
                             chunk: tuple[int, list[PromptLogprobs]] | None) -> None:

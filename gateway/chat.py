@@ -40,8 +40,10 @@ TOOLS_PROMPT = (
 )
 
 
-def template_supports_tools(tokenizer) -> bool:
-    template = getattr(tokenizer, "chat_template", None) or ""
+def template_supports_tools(tokenizer, template: str | dict | None = None) -> bool:
+    """Whether the chat template (the tokenizer's, or `template` in its place) takes tools."""
+    if template is None:
+        template = getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):  # named templates: {"default": ..., "tool_use": ...}
         return "tool_use" in template or any("tools" in t for t in template.values())
     return "tools" in template
@@ -129,10 +131,13 @@ def render_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: b
 def build_chat_prompt(tokenizer, messages: list[ChatMessage], mode: ToolMode,
                       template_kwargs: dict | None = None, *, add_generation_prompt: bool = True,
                       continue_final_message: bool = False,
-                      add_special_tokens: bool = False) -> tuple[str, list[int]]:
+                      add_special_tokens: bool = False,
+                      chat_template: str | None = None) -> tuple[str, list[int]]:
     """Render and tokenize. Template errors are the caller's fault: 400 on `messages`.
-    The keyword options are /tokenize's (vLLM's); chat completions use the defaults."""
-    native = template_supports_tools(tokenizer)
+    The keyword options are /tokenize's (vLLM's) and the offline `LLM.chat`'s; chat
+    completions use the defaults. `chat_template` (also passed in `template_kwargs`
+    to the renderer) decides, in place of the tokenizer's, whether tools go native."""
+    native = template_supports_tools(tokenizer, chat_template)
     dicts = render_messages(messages, mode, native)
     kwargs = dict(template_kwargs or {})
     if continue_final_message:

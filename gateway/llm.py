@@ -33,6 +33,19 @@ from formwork.schemas.sampling import SamplingParams, check_priority, check_toke
 PromptType = str | dict[str, Any]
 
 
+def _validated(model, value, where: str):
+    """`model.model_validate(value)`, or ValueError naming the first bad field
+    (`messages[1].role: Input should be ...`) instead of pydantic's report."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+        raise ValueError(f"{where}{loc}: {err['msg']}") from None
+
+
 def _engine_process_default() -> bool:
     value = os.environ.get("FORMWORK_ENGINE_PROCESS", "1").strip().lower()
     if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
@@ -153,6 +166,9 @@ class LLM:
                     self.engine.abort_requests(to_abort)
                 for ro in results:
                     if ro.finished:
+                        for c in ro.outputs:     # vLLM's shape: [{token_id: Logprob}, ...]
+                            if c.logprobs is not None:
+                                c.logprobs = self._processor.sample_logprobs(c.logprobs)
                         finished[ro.request_id] = ro
                         n_out += sum(len(c.token_ids) for c in ro.outputs)
                         if on_finished is not None:
@@ -172,21 +188,53 @@ class LLM:
         return [finished[r] for r in order]
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None,
              on_finished: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
-        """messages: one conversation (list of {"role", "content"}) or a list of them;
-        `on_finished` as in `generate`."""
+        """messages: one conversation (OpenAI chat messages: roles system / developer /
+        user / assistant / tool, string or text-part content, assistant `tool_calls`)
+        or a list of them. Rendered exactly as the server renders a chat request
+        (gateway/chat.py): `tools` (OpenAI's `[{"type": "function", "function":
+        {...}}]`) go to a template that knows tools, else into a Hermes-style system
+        prompt, as `tool_choice: "auto"` does. The output is the model's text: no tool
+        call parsing and no tool grammar here (the server's /v1/chat/completions does
+        both). `continue_final_message` continues the last (assistant) message
+        instead of opening a new turn; `chat_template` replaces the tokenizer's
+        template. `RequestOutput.prompt` is the rendered text; `on_finished` as in
+        `generate`. A malformed conversation raises ValueError naming the field."""
+        from formwork.gateway.chat import build_chat_prompt
+        from formwork.gateway.errors import APIError
+        from formwork.gateway.tools import ToolMode
+        from formwork.schemas.openai import ChatCompletionTool, ChatMessage
+
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: set add_generation_prompt=False with it "
+                             "(as vLLM), the last message is continued instead of a new turn")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        mode = ToolMode("auto" if tools else "none", tuple(
+            _validated(ChatCompletionTool, t, f"tools[{i}]").function for i, t in enumerate(tools or ())))
+        kwargs = dict(chat_template_kwargs or {})
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
         prompts = []
-        for conv in convs:
-            ids = self.tokenizer.apply_chat_template(
-                conv, tokenize=True, add_generation_prompt=add_generation_prompt,
-                tools=tools, return_dict=False, **(chat_template_kwargs or {}))
-            if isinstance(ids, dict):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+        for k, conv in enumerate(convs):
+            where = "messages" if len(convs) == 1 else f"messages[{k}]"
+            if not conv:
+                raise ValueError(f"{where}: a conversation needs at least one message")
+            msgs = [_validated(ChatMessage, m, f"{where}[{i}]") for i, m in enumerate(conv)]
+            try:
+                text, ids = build_chat_prompt(
+                    self.tokenizer, msgs, mode, kwargs, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, chat_template=chat_template)
+            except APIError as e:
+                raise ValueError(f"{where}: {e.message}" if len(convs) > 1 else e.message) from None
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, on_finished=on_finished)
+
+    def get_tokenizer(self):
+        """The engine's Hugging Face tokenizer (as vLLM's `LLM.get_tokenizer()`)."""
+        return self.tokenizer
 
     def get_stats(self):
         return self.engine.get_stats()

@@ -20,7 +20,9 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    # the engine's entries while in flight (the server reads them); a finished output of
+    # the offline LLM carries vLLM's shape instead (SampleLogprobs, see LLM._run)
+    logprobs: list[TokenLogprobs] | SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     error: str | None = None
     error_param: str | None = None
@@ -36,7 +38,7 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class Logprob:
-    """One token's entry in a prompt_logprobs dict (vLLM's shape)."""
+    """One token's entry in a logprobs or prompt_logprobs dict (vLLM's shape)."""
     logprob: float
     rank: int | None = None           # 1-based rank in the vocabulary
     decoded_token: str | None = None
@@ -45,6 +47,9 @@ class Logprob:
 # per prompt position: None for the first token, then {token_id: Logprob} holding the
 # prompt token itself and the top-k (a token in both appears once)
 PromptLogprobsList = list[dict[int, Logprob] | None]
+# per generated position (vLLM's SampleLogprobs): {token_id: Logprob}, the sampled token
+# first, then the top-n (a token in both appears once)
+SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass(slots=True)
@@ -201,6 +206,16 @@ class OutputProcessor:
         out: PromptLogprobsList = [None]
         for e in entries:
             d = {e.token.token_id: Logprob(e.token.logprob, e.rank, self._text(e.token.token_id))}
+            for rank, a in enumerate(e.top, 1):
+                d.setdefault(a.token_id, Logprob(a.logprob, rank, self._text(a.token_id)))
+            out.append(d)
+        return out
+
+    def sample_logprobs(self, entries: list[TokenLogprobs]) -> SampleLogprobs:
+        """The offline API's logprobs (vLLM's shape) of a completion's engine entries."""
+        out: SampleLogprobs = []
+        for e in entries:
+            d = {e.chosen.token_id: Logprob(e.chosen.logprob, e.rank, self._text(e.chosen.token_id))}
             for rank, a in enumerate(e.top, 1):
                 d.setdefault(a.token_id, Logprob(a.logprob, rank, self._text(a.token_id)))
             out.append(d)

@@ -70,8 +70,8 @@ class SamplingBatch:
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    # per row: (chosen logprob, [(token_id, logprob) * n]) or None
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None
+    # per row: (chosen logprob, [(token_id, logprob) * n], chosen rank) or None
+    logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None
 
 
 def _token_counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
@@ -285,6 +285,8 @@ def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, batch: SamplingBatch):
         logp = logits.log_softmax(-1)
         top_vals, top_idx = logp.topk(k, dim=-1)
         chosen_lp = logp.gather(1, chosen[:, None])
+    # the chosen token's 1-based rank (vLLM's Logprob.rank): 1 + tokens scored higher
+    ranks = ((logits > logits.gather(1, chosen[:, None])).sum(-1) + 1).tolist()
     chosen_lp = chosen_lp[:, 0].clamp_min(_FLOOR).tolist()
     top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
     out = []
@@ -294,7 +296,7 @@ def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, batch: SamplingBatch):
         else:
             top = [(t, v) for t, v in zip(top_idx[i][:n], top_vals[i][:n])
                    if v != float("-inf") and t >= 0]
-            out.append((chosen_lp[i], top))
+            out.append((chosen_lp[i], top, ranks[i]))
     return out
 
 

@@ -59,9 +59,11 @@ class Logprob(msgspec.Struct, array_like=True):
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
-    """The chosen token's logprob and the top-n alternatives at one position."""
+    """The chosen token's logprob and the top-n alternatives at one position, and
+    the chosen token's 1-based rank in the distribution (None where not computed)."""
     chosen: Logprob
     top: list[Logprob]
+    rank: int | None = None
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True):

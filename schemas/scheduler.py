@@ -52,8 +52,8 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     req_ids: list[str]                     # == SchedulerOutput.sampling_req_ids
     sampled_token_ids: list[int]
-    # per sampled req: (chosen logprob, [(token_id, logprob), ...]) or None
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # per sampled req: (chosen logprob, [(token_id, logprob), ...], chosen rank) or None
+    logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
     # req_id -> (p, entries): entries[j] scores prompt token p + 1 + j (computed at
     # position p + j this step); only requests with prompt_logprobs, any step of their prefill
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprobs]]] | None = None

@@ -48,6 +48,7 @@ def test_mask_applied_before_greedy_and_logprobs():
         assert all(math.isfinite(v) for _, v in top)
         lp = torch.log_softmax(ref[r, a], -1)
         assert out.logprobs[r][0] == pytest.approx(lp[a.index(want)].item(), abs=1e-5)
+        assert out.logprobs[r][2] == 1                    # greedy under the mask: the best allowed
     assert out.token_ids[1] == int(ref[1].argmax())       # unmasked row untouched
 
 
@@ -67,6 +68,9 @@ def test_raw_logprobs_are_the_models_own_and_the_mask_still_rules():
     top_vals, top_idx = full[0].topk(4)
     assert [t for t, _ in out.logprobs[0][1]] == top_idx.tolist()
     assert all(math.isfinite(v) for _, v in out.logprobs[0][1])
+    # the pick's rank in the model's own distribution: the mask pushed it down the list
+    assert out.logprobs[0][2] == int((ref[0] > ref[0, want]).sum()) + 1 > 1
+    assert out.logprobs[1][2] == 1                          # the unmasked greedy row's pick
     with pytest.raises(ValueError, match="logprobs_mode"):
         Sampler("raw_logits")
 

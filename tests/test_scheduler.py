@@ -85,7 +85,7 @@ class FakeRunner:
             seq = [self.slots[self._slot(r, p)][1] for p in range(r.computed)]
             tok = self.script(rid, len(seq) - r.prompt_len, seq) if self.script else None
             toks.append(det_token(seq) if tok is None else tok)
-            lps.append((-0.25, [(toks[-1], -0.25), (toks[-1] + 1, -2.0)])
+            lps.append((-0.25, [(toks[-1], -0.25), (toks[-1] + 1, -2.0)], 1)
                        if r.params.logprobs is not None else None)
         return ModelRunnerOutput(list(plan.sampling_req_ids), toks, lps)
 

@@ -1,0 +1,104 @@
+"""The offline `LLM` as a vLLM user calls it: `CompletionOutput.logprobs` in vLLM's
+shape (a `{token_id: Logprob(logprob, rank, decoded_token)}` per generated token,
+checked against HF transformers), `get_tokenizer()`, and `chat()` rendering a
+conversation as the server does (tools, tool-call history, text parts,
+`continue_final_message`, `chat_template`), with errors naming the field."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from formwork import LLM, Logprob, SamplingParams
+from test_prompt_logprobs import _check_entry, _ids, hf_logprobs, tiny_hf  # noqa: F401 (fixture)
+
+K = 3
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=64,
+              block_size=8)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, seed=7)])
+def test_sample_logprobs_have_vllms_shape_and_match_hf(llm, tiny_hf, params):
+    prompts = [_ids(11, 1), _ids(4, 2)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=5, logprobs=K, **params), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    ranks = []
+    for o, prompt in zip(outs, prompts):
+        c = o.outputs[0]
+        ref = hf_logprobs(tiny_hf, prompt + c.token_ids)[len(prompt) - 1:]
+        assert len(c.logprobs) == len(c.token_ids) == 5
+        for j, (tid, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert isinstance(entry, dict) and next(iter(entry)) == tid     # the pick first
+            assert all(isinstance(v, Logprob) for v in entry.values())
+            _check_entry(entry, tid, ref[j], K)
+            assert entry[tid].decoded_token == tok.decode([tid])
+            ranks.append(entry[tid].rank)
+        assert c.cumulative_logprob == pytest.approx(
+            sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)), abs=1e-4)
+    if params["temperature"] == 0:
+        assert set(ranks) == {1}
+    else:                      # a random tiny model is nearly flat: draws are rarely its best
+        assert max(ranks) > K
+
+
+def test_chat_renders_tools_history_and_parts_as_the_server_does(llm):
+    conv = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather in "},
+                                         {"type": "text", "text": "Paris?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"}]
+    out = llm.chat(conv, SamplingParams(max_tokens=3, temperature=0), tools=TOOLS, use_tqdm=False)[0]
+    p = out.prompt
+    # the default model's ChatML template knows no tools: the server's Hermes system prompt
+    assert p.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and '"get_weather"' in p
+    assert "Weather in Paris?" in p
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in p
+    assert "<tool_response>\n18C, sunny\n</tool_response>" in p
+    assert p.endswith("<|im_start|>assistant\n")
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(p, add_special_tokens=False)
+    plain = llm.chat(conv[:2], SamplingParams(max_tokens=3), use_tqdm=False)[0].prompt
+    assert "# Tools" not in plain
+
+
+def test_chat_continue_final_message_and_own_template(llm):
+    conv = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "My favourite colour is"}]
+    sp = SamplingParams(max_tokens=2, temperature=0)
+    out = llm.chat(conv, sp, add_generation_prompt=False, continue_final_message=True,
+                   use_tqdm=False)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\nMy favourite colour is")
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    own = llm.chat(conv[:1], sp, chat_template=template, use_tqdm=False)[0]
+    assert own.prompt == "[user] Name a colour.\n"
+    batch = llm.chat([conv[:1], conv[:1]], sp, use_tqdm=False)
+    assert len(batch) == 2 and batch[0].prompt == batch[1].prompt
+
+
+@pytest.mark.parametrize("convs, kw, match", [
+    ([{"role": "robot", "content": "hi"}], {}, r"^messages\[0\]\.role: Input should be"),
+    ([[{"role": "user", "content": "ok"}], [{"role": "user", "content": 5}]], {},
+     r"^messages\[1\]\[0\]\.content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
+     r"^messages\[0\]\.content: only text content parts"),
+    ([{"role": "user", "content": "hi"}], {"continue_final_message": True},
+     "^continue_final_message: set add_generation_prompt=False"),
+    ([{"role": "user", "content": "hi"}], {"tools": [{"type": "function"}]},
+     r"^tools\[0\]\.function: Field required"),
+    ([[]], {}, "^messages: a conversation needs at least one message"),
+])
+def test_chat_errors_name_the_field(llm, convs, kw, match):
+    with pytest.raises(ValueError, match=match):
+        llm.chat(convs, SamplingParams(max_tokens=2), use_tqdm=False, **kw)
+    assert not llm.engine.has_unfinished_requests()
