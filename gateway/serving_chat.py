@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from formwork.gateway.chat import build_chat_prompt
-from formwork.gateway.errors import APIError
+from formwork.gateway.errors import APIError, bad_request
 from formwork.gateway.limits import check_text_fits
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_check import Verdict, check_output, drop_unset
@@ -55,6 +55,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     thread (it may compile); templating and tokenizing on a tokenizer worker thread
     with its own tokenizer copy (gateway/tokenizer_pool.py)."""
     model = state.check_model(req.model)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message: cannot be used together with "
+                          "add_generation_prompt=true; set add_generation_prompt to false",
+                          param="continue_final_message")
     mode = resolve_tool_mode(req)
     structured, source = structured_from_request(req, mode)
     if structured is not None:
@@ -62,8 +66,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                                 state.engine.config.structured_backend)
     check_text_fits((t for m in req.messages for t in _texts(m.content)), state.max_model_len,
                     state.max_token_chars, "messages")
-    prompt, ids = await state.run_tokenizer(build_chat_prompt, req.messages, mode,
-                                            req.chat_template_kwargs)
+    prompt, ids = await state.run_tokenizer(
+        build_chat_prompt, req.messages, mode, req.chat_template_kwargs,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message)
     requested, max_param = chat_max_tokens(req)
     max_tokens = context_max_tokens(len(ids), requested, state.max_model_len, "messages")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=chat_logprobs(req),

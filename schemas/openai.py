@@ -126,6 +126,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: no new assistant turn / continue the last (assistant) message instead
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 # What the server takes as a prompt (gateway/serving_completion.py refuses the

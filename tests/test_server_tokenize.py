@@ -152,6 +152,10 @@ def server():
     s.stop()
 
 
+PREFILLED = [{"role": "user", "content": "Name a colour."},
+             {"role": "assistant", "content": "My favourite colour is"}]
+
+
 @pytest.mark.slow
 def test_counts_equal_chat_usage(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
@@ -159,7 +163,14 @@ def test_counts_equal_chat_usage(server):
     cases = [({"messages": m}, {}) for m in CONVERSATIONS] + [
         ({"messages": CONVERSATIONS[0], "tools": [WEATHER]}, {"tools": [WEATHER]}),
         ({"messages": CONVERSATIONS[0], "tools": [WEATHER], "tool_choice": "none"},
-         {"tools": [WEATHER], "tool_choice": "none"})]
+         {"tools": [WEATHER], "tool_choice": "none"}),
+        # vLLM's chat fields, which the server used to ignore: no new assistant turn, and
+        # the last (assistant) message continued
+        ({"messages": CONVERSATIONS[0], "add_generation_prompt": False},
+         {"extra_body": {"add_generation_prompt": False}}),
+        ({"messages": PREFILLED, "add_generation_prompt": False, "continue_final_message": True},
+         {"extra_body": {"add_generation_prompt": False, "continue_final_message": True}}),
+        ({"messages": PREFILLED}, {})]
     counts = set()
     for tok_body, chat_extra in cases:
         r = httpx.post(f"{server.url}/tokenize", json={"model": model, **tok_body}, headers=AUTH)
@@ -169,7 +180,11 @@ def test_counts_equal_chat_usage(server):
                                               max_tokens=1, temperature=0, **chat_extra)
         assert r.json()["count"] == resp.usage.prompt_tokens, tok_body
         counts.add(resp.usage.prompt_tokens)
-    assert len(counts) >= 3          # the cases differ, so equal counts are not vacuous
+    assert len(counts) >= 6          # the cases differ, so equal counts are not vacuous
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=PREFILLED, max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"
 
 
 @pytest.mark.slow
