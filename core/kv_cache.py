@@ -7,6 +7,7 @@ core/block_pool.py.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from formwork.core.block_pool import BlockHash, BlockPool, HashFn, hash_block_tokens
@@ -18,6 +19,17 @@ class _ReqBlocks:
     block_ids: list[int] = field(default_factory=list)
     num_hashed: int = 0                 # leading blocks already hash-registered (or skipped)
     last_hash: BlockHash | None = None  # chain hash of block num_hashed - 1
+
+
+def chain_root(req: Request) -> BlockHash | None:
+    """The parent of a request's first block in the hash chain: None, or a digest of
+    its `cache_salt` (vLLM's), so that requests with different salts never share a
+    cached block (no prefix-cache timing side channel between tenants) and requests
+    with the same salt share as usual."""
+    salt = req.sampling_params.cache_salt
+    if salt is None:
+        return None
+    return hashlib.blake2b(b"cache_salt\0" + salt.encode("utf-8"), digest_size=16).digest()
 
 
 class KVCacheManager:
@@ -82,7 +94,7 @@ class KVCacheManager:
         bs = self.block_size
         tokens = req.all_token_ids
         hits: list[int] = []
-        parent: BlockHash | None = None
+        parent = chain_root(req)
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = self._hash_fn(parent, chunk)
@@ -126,7 +138,7 @@ class KVCacheManager:
             return None
         rb = self._reqs.get(rid)
         if rb is None:
-            rb = self._reqs[rid] = _ReqBlocks()
+            rb = self._reqs[rid] = _ReqBlocks(last_hash=chain_root(req))
         assert not computed or not rb.block_ids, f"{rid}: prefix blocks given to a request holding blocks"
         for block_id in computed:
             self.pool.touch(block_id)

@@ -115,6 +115,11 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        if any(s is not None for s in salts):     # vLLM's prompt field: {"prompt", "cache_salt"}
+            params = [p if s is None else p.clone(cache_salt=s) for p, s in zip(params, salts)]
+            for p in params:
+                p.validate()
         if priority is not None:
             if len(priority) != len(prompts):
                 raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")

@@ -15,7 +15,8 @@ from formwork.schemas.structured import FALSE_SCHEMA, KINDS, StructuredOutputsPa
 
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "priority")
+                "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "priority",
+                "cache_salt")
 MAX_TEMPERATURE = 2.0        # OpenAI's bound (the offline SamplingParams has none, as vLLM)
 # vLLM's structured_outputs options -> formwork's fields (a False is vLLM's default: no change)
 _VLLM_FLAGS = {"disable_any_whitespace": ("whitespace", "compact"),

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from formwork.gateway.chat import build_chat_prompt
 from formwork.gateway.errors import APIError, bad_request
-from formwork.gateway.limits import check_text_fits
+from formwork.gateway.limits import check_text_fits, truncated_prompt
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_check import Verdict, check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
@@ -64,12 +64,17 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     if structured is not None:
         await asyncio.to_thread(validate_constraint, structured, source,
                                 state.engine.config.structured_backend)
-    check_text_fits((t for m in req.messages for t in _texts(m.content)), state.max_model_len,
-                    state.max_token_chars, "messages")
+    if req.truncate_prompt_tokens is None:     # a truncated prompt may be longer (body limit)
+        check_text_fits((t for m in req.messages for t in _texts(m.content)),
+                        state.max_model_len, state.max_token_chars, "messages")
     prompt, ids = await state.run_tokenizer(
         build_chat_prompt, req.messages, mode, req.chat_template_kwargs,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message)
+    kept = truncated_prompt(ids, req.truncate_prompt_tokens, state.max_model_len)
+    if len(kept) < len(ids):
+        ids = kept
+        prompt = await state.run_tokenizer(lambda tok: tok.decode(kept, skip_special_tokens=False))
     requested, max_param = chat_max_tokens(req)
     max_tokens = context_max_tokens(len(ids), requested, state.max_model_len, "messages")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=chat_logprobs(req),

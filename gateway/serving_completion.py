@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from formwork.gateway.completion_logprobs import (completion_logprobs, echo_logprobs,
                                                   prompt_logprobs_field)
 from formwork.gateway.errors import APIError, bad_request
-from formwork.gateway.limits import check_text_fits
+from formwork.gateway.limits import check_text_fits, truncated_prompt
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_check import check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
@@ -46,8 +46,10 @@ class PreparedCompletion:
     show_prompt_logprobs: bool = False                # `prompt_logprobs` field in the choices
 
 
-def _prompts(tokenizer, state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
-    """Runs on a tokenizer worker thread (state.run_tokenizer): `tokenizer` is its own."""
+def _prompts(tokenizer, state: ServerState, prompt,
+             truncate: int | None = None) -> list[tuple[str | None, list[int]]]:
+    """Runs on a tokenizer worker thread (state.run_tokenizer): `tokenizer` is its own.
+    `truncate`: vLLM's truncate_prompt_tokens (a cut prompt's text is its kept tokens')."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -57,7 +59,8 @@ def _prompts(tokenizer, state: ServerState, prompt) -> list[tuple[str | None, li
     out = []
     for p in prompt:
         if isinstance(p, str):
-            check_text_fits([p], state.max_model_len, state.max_token_chars, "prompt")
+            if truncate is None:       # a truncated prompt may be longer (the body limit holds)
+                check_text_fits([p], state.max_model_len, state.max_token_chars, "prompt")
             ids = tokenizer(p, add_special_tokens=False).input_ids
             out.append((p, list(ids)))
         else:
@@ -67,6 +70,9 @@ def _prompts(tokenizer, state: ServerState, prompt) -> list[tuple[str | None, li
             out.append((tokenizer.decode(p), list(p)))
         if not out[-1][1]:
             raise bad_request("prompt: must not be empty", param="prompt")
+        kept = truncated_prompt(out[-1][1], truncate, state.max_model_len)
+        if len(kept) < len(out[-1][1]):
+            out[-1] = (tokenizer.decode(kept), kept)
     return out
 
 
@@ -95,7 +101,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     if structured is not None:
         await asyncio.to_thread(validate_constraint, structured, source,
                                 state.engine.config.structured_backend)
-    prompts = await state.run_tokenizer(_prompts, state, req.prompt)
+    prompts = await state.run_tokenizer(_prompts, state, req.prompt, req.truncate_prompt_tokens)
     params = [sampling_params(req, max_tokens=context_max_tokens(
                   len(ids), req.max_tokens, state.max_model_len, "prompt"),
                   logprobs=engine_lp, prompt_logprobs=engine_plp, structured=structured,

@@ -12,8 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import Field, model_serializer
+from pydantic import Field, model_serializer, model_validator
 
+from formwork.schemas.errors import ParamError
 from formwork.schemas.openai_base import RequestModel, ResponseModel, random_id
 from formwork.schemas.sampling import MAX_N
 
@@ -79,8 +80,46 @@ class ChatMessage(RequestModel):
     function_call: FunctionCall | None = None
 
 
+# vLLM request fields formwork does not serve: a request that sets one (to anything
+# but its "off" value) gets a 400 naming it, instead of an answer that silently
+# ignored what it asked for. Fields that change nothing formwork does (length_penalty
+# without beam search, spaces_between_special_tokens, kv_transfer_params,
+# vllm_xargs, request_id...) stay ignored.
+_UNSERVED = {
+    "use_beam_search": "beam search is not served (sample n candidates; /v1/completions "
+                       "also takes best_of)",
+    "allowed_token_ids": "not served; logit_bias with -100 bans tokens, and structured_outputs "
+                         "(choice, regex, grammar) restricts the output",
+    "bad_words": "not served; logit_bias with -100 bans single tokens",
+    "logits_processors": "custom logits processors are not served",
+    "return_tokens_as_token_ids": "not served; logprobs name tokens by their text",
+    "prompt_embeds": "prompt embeddings are not served; send text or token ids",
+    "mm_processor_kwargs": "multimodal inputs are not served",
+}
+_UNSERVED_CHAT = {
+    "echo": "not served on chat completions (/v1/completions takes echo)",
+    "chat_template": "a per-request chat template is not accepted (as vLLM without "
+                     "--trust-request-chat-template); the model's own template is used",
+    "documents": "RAG documents in the chat template are not served; put them in a message",
+}
+
+
+def _refuse_unserved(data: Any, table: dict[str, str]) -> None:
+    if isinstance(data, dict):
+        for name, why in table.items():
+            if data.get(name) not in (None, False, [], {}, ""):
+                raise ParamError(name, why)
+
+
 class _SamplingFields(RequestModel):
     """Fields shared by chat and completions requests."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unserved(cls, data: Any) -> Any:
+        _refuse_unserved(data, _UNSERVED)
+        return data
+
     model: str | None = None
     n: int = Field(default=1, json_schema_extra={"minimum": 1, "maximum": MAX_N})
     temperature: float | None = None
@@ -113,11 +152,22 @@ class _SamplingFields(RequestModel):
     guided_whitespace_pattern: str | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: max_model_len); 0 is refused
+    truncate_prompt_tokens: int | None = Field(default=None, json_schema_extra={"minimum": -1})
+    # vLLM's: prefix-cache blocks are shared only among requests with the same salt
+    cache_salt: str | None = Field(default=None, json_schema_extra={"minLength": 1})
     user: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unserved_chat(cls, data: Any) -> Any:
+        _refuse_unserved(data, _UNSERVED_CHAT)
+        return data
+
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -73,6 +73,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # that it travels with the request: under scheduling_policy "priority" a lower value is
     # served earlier; any other value than 0 is refused under "fcfs"
     priority: int = 0
+    # vLLM's `cache_salt` (a field of the prompt there, of the request on its server),
+    # carried here for the same reason: requests share prefix-cache blocks only with
+    # requests of the same salt (None: with every unsalted request)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +100,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad("n", f"must be in [1, {MAX_N}], got {self.n}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED - self.n:
             bad("seed", f"must be in [0, 2^63 - n], got {self.seed}")
+        if self.cache_salt is not None and not self.cache_salt:
+            bad("cache_salt", "must be a non-empty string (leave it out for no salt)")
         if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
             bad("priority", f"must be in [-2^31, 2^31], got {self.priority}")
         if self.temperature < 0:

@@ -253,3 +253,24 @@ class KVMachine(RuleBasedStateMachine):
 
 KVMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 TestKVMachine = KVMachine.TestCase
+
+
+def test_cache_salt_partitions_prefix_hits():
+    """vLLM's cache_salt: blocks are shared only among requests with the same salt;
+    unsalted requests share among themselves as before."""
+    kv = KVCacheManager(32, BS, True)
+
+    def salted(rid, salt):
+        return Request(rid, list(range(13)), SamplingParams(max_tokens=4, cache_salt=salt))
+
+    first = {}
+    for rid, salt in [("a", None), ("b", "tenant-1"), ("c", "tenant-2")]:
+        req = salted(rid, salt)
+        assert kv.get_computed_blocks(req) == ([], 0)        # nothing shared across salts
+        first[salt] = prefill(kv, req)
+    for rid, salt in [("a2", None), ("b2", "tenant-1"), ("c2", "tenant-2")]:
+        hit_ids, hit = kv.get_computed_blocks(salted(rid, salt))
+        assert hit == 12 and hit_ids == first[salt][:3]        # the same salt's own blocks
+    kv.check_invariants()
+    with pytest.raises(ValueError, match="^cache_salt"):
+        SamplingParams(cache_salt="")

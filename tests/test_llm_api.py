@@ -102,3 +102,19 @@ def test_chat_errors_name_the_field(llm, convs, kw, match):
     with pytest.raises(ValueError, match=match):
         llm.chat(convs, SamplingParams(max_tokens=2), use_tqdm=False, **kw)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_prompt_cache_salt_partitions_prefix_hits(llm):
+    """vLLM's prompt field `cache_salt`: cached blocks are reused within a salt only."""
+    ids = _ids(33, 9)                                   # 4 full blocks of 8
+    sp = SamplingParams(max_tokens=1, temperature=0)
+
+    def cached(salt):
+        prompt = {"prompt_token_ids": ids} if salt is None else {"prompt_token_ids": ids,
+                                                                 "cache_salt": salt}
+        return llm.generate(prompt, sp, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached("a") == 0 and cached("a") == 32
+    assert cached("b") == 0 and cached(None) == 0 and cached(None) == 32
+    with pytest.raises(ValueError, match="^cache_salt"):
+        llm.generate({"prompt_token_ids": ids, "cache_salt": ""}, sp, use_tqdm=False)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from enum import Enum
 
 import httpx
@@ -432,6 +433,14 @@ def _chat(**kw) -> dict:
 
 ERROR_CASES = [  # (body, status, param, code, words that must appear in the message)
     (b'{"messages": [', 400, None, "invalid_json", ["JSON"]),
+    # vLLM fields formwork does not serve: refused by name, never silently ignored
+    (_chat(use_beam_search=True), 400, "use_beam_search", None, ["beam search"]),
+    (_chat(allowed_token_ids=[1, 2]), 400, "allowed_token_ids", None, ["logit_bias"]),
+    (_chat(echo=True), 400, "echo", None, ["/v1/completions"]),
+    (_chat(chat_template="{{ messages }}"), 400, "chat_template", None, ["template"]),
+    (_chat(truncate_prompt_tokens=0), 400, "truncate_prompt_tokens", None, ["1024"]),
+    (_chat(truncate_prompt_tokens=5000), 400, "truncate_prompt_tokens", None, ["1024"]),
+    (_chat(cache_salt=""), 400, "cache_salt", None, ["non-empty"]),
     (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "strin"}}}}}),
      400, "response_format", None, ["strin", "properties"]),
@@ -520,6 +529,41 @@ def test_oversized_requests_are_refused_fast_while_a_stream_flows(server):
     t.join(120)
     assert len(gaps) > 10 and elapsed < 15, (elapsed, max(gaps))
     assert max(gaps[1:]) < 5.0, max(gaps[1:])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, model, tokenizer):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens, on both endpoints; a
+    prompt longer than the context is cut instead of refused."""
+    text = "one two three four five six seven eight nine ten"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    r = client.completions.create(model=model, prompt=text, max_tokens=1, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    assert r.choices[0].text.startswith(tokenizer.decode(ids[-3:]))
+    r = client.completions.create(model=model, prompt="word " * 3000, max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": 1000})
+    assert r.usage.prompt_tokens == 1000
+    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=1,
+                                       extra_body={"truncate_prompt_tokens": 5})
+    assert r.usage.prompt_tokens == 5
+
+
+def test_cache_salt_isolates_prefix_cache_hits(client, model):
+    """vLLM's cache_salt: a request reuses cached prompt blocks only of requests with
+    the same salt (usage.prompt_tokens_details.cached_tokens)."""
+    msgs = [{"role": "user", "content": f"{uuid.uuid4()} " + "tell me about the sea " * 12}]
+
+    def cached(salt):
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=1,
+                                           extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= 32          # the same salt: its blocks
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached(None) >= 32                # unsalted requests share among themselves
 
 
 @pytest.mark.parametrize("body,status,param,code,words", ERROR_CASES)
