@@ -27,7 +27,7 @@ def commit_sampled(req: Request, token_id: int, lp: RawLogprobs | None, *,
     if status is not None or not req.use_structured_output:
         return status
     for forced in som.jump_forward_tokens(rid):
-        outputs.append(req, forced, (0.0, []))   # forced by the grammar: p = 1 under it
+        outputs.append(req, forced, (0.0, [], 1))   # forced by the grammar: p = 1 under it
         if (status := _stop_status(req, forced, max_model_len)) is not None:
             return status
     return None

@@ -118,3 +118,18 @@ def test_prompt_cache_salt_partitions_prefix_hits(llm):
     assert cached("b") == 0 and cached(None) == 0 and cached(None) == 32
     with pytest.raises(ValueError, match="^cache_salt"):
         llm.generate({"prompt_token_ids": ids, "cache_salt": ""}, sp, use_tqdm=False)
+
+
+def test_logprobs_of_tokens_the_grammar_forced(llm):
+    """Jump-forward appends the grammar's forced continuation: those positions carry
+    the pick itself (logprob 0 under the grammar, rank 1) in the same shape."""
+    from formwork import StructuredOutputsParams
+
+    sp = SamplingParams(max_tokens=30, temperature=0, logprobs=2,
+                        structured_outputs=StructuredOutputsParams(
+                            regex=r"x( is a forced continuation of several tokens)[0-9]"))
+    c = llm.generate({"prompt_token_ids": _ids(5, 3)}, sp, use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason == "stop" and c.text.startswith("x is a forced continuation")
+    assert len(c.logprobs) == len(c.token_ids) > 5
+    forced = [e[t] for t, e in zip(c.token_ids, c.logprobs) if len(e) == 1]
+    assert forced and all(lp.logprob == 0.0 and lp.rank == 1 for lp in forced)
