@@ -33,6 +33,45 @@ from formwork.schemas.sampling import SamplingParams, check_priority, check_toke
 PromptType = str | dict[str, Any]
 
 
+# vLLM's LLM(...) arguments with nothing to do here, accepted so that a vLLM script
+# runs unchanged: formwork's loader runs no model code (trust_remote_code), keeps no
+# per-run statistics log, recomputes preempted requests instead of swapping them to
+# CPU memory (swap_space), compiles no graphs through torch.compile's config, loads
+# local files only (revision, download_dir), serves logprobs up to 20 whatever the cap.
+_VLLM_NO_OPS = ("trust_remote_code", "disable_log_stats", "swap_space", "revision",
+                "download_dir", "compilation_config", "max_logprobs", "served_model_name",
+                "disable_custom_all_reduce", "async_scheduling")
+# vLLM's arguments accepted at the value that changes nothing, refused otherwise
+_VLLM_DEFAULTS = {"kv_cache_dtype": ("auto", "the KV cache is kept in the model's dtype"),
+                  "quantization": (None, "weights are loaded in `dtype` (a GGUF file's "
+                                         "quantized tensors are dequantized)"),
+                  "cpu_offload_gb": (0, "weights are not offloaded"),
+                  "tokenizer_mode": ("auto", "the model folder's tokenizer is used"),
+                  "tokenizer": (None, "the model folder's own tokenizer is used")}
+
+
+def vllm_engine_kwargs(kwargs: dict) -> dict:
+    """`LLM(**kwargs)` as vLLM's `LLM` takes them -> EngineConfig's fields: the
+    structured-output backend options mapped (`structured_outputs_config={"backend":
+    ...}`, older `guided_decoding_backend`), the no-ops dropped, the others refused
+    with ValueError naming them unless at the value that changes nothing."""
+    out = dict(kwargs)
+    for name in _VLLM_NO_OPS:
+        out.pop(name, None)
+    for name, (default, why) in _VLLM_DEFAULTS.items():
+        if name in out:
+            value = out.pop(name)
+            if value != default and not (name == "tokenizer" and value == out.get("model")):
+                raise ValueError(f"{name}: only {default!r} is supported ({why}), got {value!r}")
+    so = out.pop("structured_outputs_config", None)
+    backend = out.pop("guided_decoding_backend", None)
+    if so is not None:
+        backend = so.get("backend") if isinstance(so, dict) else getattr(so, "backend", None)
+    if backend is not None:
+        out.setdefault("structured_backend", backend)
+    return out
+
+
 def _validated(model, value, where: str):
     """`model.model_validate(value)`, or ValueError naming the first bad field
     (`messages[1].role: Input should be ...`) instead of pydantic's report."""
@@ -56,7 +95,7 @@ def _engine_process_default() -> bool:
 class LLM:
     def __init__(self, model: str | None = None, *, engine_process: bool | None = None,
                  step_hooks: StepHooks | None = None, **engine_kwargs):
-        self.config = EngineConfig(model=model, **engine_kwargs)
+        self.config = EngineConfig(**vllm_engine_kwargs({"model": model, **engine_kwargs}))
         if engine_process is None:
             engine_process = _engine_process_default()
         self._release = lambda: None

@@ -133,3 +133,26 @@ def test_logprobs_of_tokens_the_grammar_forced(llm):
     assert len(c.logprobs) == len(c.token_ids) > 5
     forced = [e[t] for t, e in zip(c.token_ids, c.logprobs) if len(e) == 1]
     assert forced and all(lp.logprob == 0.0 and lp.rank == 1 for lp in forced)
+
+
+def test_vllm_constructor_arguments(tiny_model_dir):
+    """A vLLM script's LLM(...) runs unchanged: the no-op arguments are taken, the
+    structured-output backend option is mapped, the rest is refused by name."""
+    from formwork.gateway.llm import vllm_engine_kwargs
+
+    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=16,
+              trust_remote_code=True, disable_log_stats=True, swap_space=4, kv_cache_dtype="auto",
+              enable_prefix_caching=False, structured_outputs_config={"backend": "xgrammar"})
+    try:
+        assert llm.config.structured_backend == "xgrammar"
+        assert not llm.config.enable_prefix_caching
+    finally:
+        llm.shutdown()
+    assert vllm_engine_kwargs({"model": "m", "guided_decoding_backend": "outlines",
+                               "tokenizer": "m"}) == {"model": "m", "structured_backend": "outlines"}
+    for bad in ({"kv_cache_dtype": "fp8"}, {"quantization": "awq"}, {"tokenizer": "other/dir"},
+                {"cpu_offload_gb": 4}):
+        with pytest.raises(ValueError, match=f"^{next(iter(bad))}: only"):
+            vllm_engine_kwargs({"model": "m", **bad})
+    with pytest.raises(TypeError, match="no_such_argument"):
+        LLM(str(tiny_model_dir), engine_process=False, no_such_argument=1)
