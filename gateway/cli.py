@@ -77,8 +77,18 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
                          f"got {args.drain_timeout}")
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("formwork")
+    except metadata.PackageNotFoundError:     # run from a checkout that is not installed
+        return "unknown"
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="formwork", description="Structured-output-first LLM serving")
+    parser.add_argument("--version", action="version", version=f"formwork {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="run the OpenAI-compatible server"))
     extract = sub.add_parser("extract", help="extract structured data from text with a schema")

@@ -103,6 +103,22 @@ def test_public_names():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+def test_version_and_python_dash_m():
+    """`formwork --version` and `python -m formwork` (the same command), from outside
+    the checkout, say the installed version."""
+    from importlib import metadata
+
+    want = f"formwork {metadata.version('formwork')}"
+    bindir = pathlib.Path(sys.executable).parent
+    for cmd in ([str(bindir / "formwork"), "--version"],
+                [sys.executable, "-P", "-m", "formwork", "--version"]):
+        proc = subprocess.run(cmd, cwd="/", capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip() == want, (cmd, proc.stdout, proc.stderr)
+    proc = subprocess.run([sys.executable, "-P", "-m", "formwork", "extract", "--help"], cwd="/",
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--schema" in proc.stdout
+
+
 def test_wheel_installs_only_formwork(tmp_path):
     """The built wheel holds `formwork/` and its dist-info, nothing at the top level
     under another name (the six folders included, tests and bench excluded)."""
@@ -124,6 +140,7 @@ def test_wheel_installs_only_formwork(tmp_path):
                 if f"formwork/{p.relative_to(ROOT).as_posix()}" not in names]
     assert left_out == [], left_out
     assert "formwork/__init__.py" in names
+    assert "formwork/__main__.py" in names                       # python -m formwork
     assert not any(n.startswith(("formwork/tests/", "formwork/bench/")) for n in names)
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "formwork = formwork.gateway.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()

@@ -562,8 +562,9 @@ def test_cache_salt_isolates_prefix_cache_hits(client, model):
     assert cached("tenant-a") == 0
     assert cached("tenant-a") >= 32          # the same salt: its blocks
     assert cached("tenant-b") == 0
-    assert cached(None) == 0
-    assert cached(None) >= 32                # unsalted requests share among themselves
+    # unsalted: earlier unsalted requests of this module share the template's first block
+    first = cached(None)
+    assert cached(None) >= max(first + 16, 32)   # ... and this conversation's blocks now
 
 
 @pytest.mark.parametrize("body,status,param,code,words", ERROR_CASES)
