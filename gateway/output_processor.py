@@ -202,24 +202,20 @@ class OutputProcessor:
                 [token_id], skip_special_tokens=False)
         return text
 
+    def _position(self, token, rank: int | None, top) -> dict[int, Logprob]:
+        """vLLM's {token_id: Logprob} of one position: `token` (the prompt token or the
+        pick) first with its rank, then the top ones (ranks 1..k; a token in both once)."""
+        d = {token.token_id: Logprob(token.logprob, rank, self._text(token.token_id))}
+        for k, a in enumerate(top, 1):
+            d.setdefault(a.token_id, Logprob(a.logprob, k, self._text(a.token_id)))
+        return d
+
     def _prompt_logprobs(self, entries: list[PromptLogprobs]) -> PromptLogprobsList:
-        out: PromptLogprobsList = [None]
-        for e in entries:
-            d = {e.token.token_id: Logprob(e.token.logprob, e.rank, self._text(e.token.token_id))}
-            for rank, a in enumerate(e.top, 1):
-                d.setdefault(a.token_id, Logprob(a.logprob, rank, self._text(a.token_id)))
-            out.append(d)
-        return out
+        return [None] + [self._position(e.token, e.rank, e.top) for e in entries]
 
     def sample_logprobs(self, entries: list[TokenLogprobs]) -> SampleLogprobs:
         """The offline API's logprobs (vLLM's shape) of a completion's engine entries."""
-        out: SampleLogprobs = []
-        for e in entries:
-            d = {e.chosen.token_id: Logprob(e.chosen.logprob, e.rank, self._text(e.chosen.token_id))}
-            for rank, a in enumerate(e.top, 1):
-                d.setdefault(a.token_id, Logprob(a.logprob, rank, self._text(a.token_id)))
-            out.append(d)
-        return out
+        return [self._position(e.chosen, e.rank, e.top) for e in entries]
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (request outputs with deltas, engine request ids to abort)."""
