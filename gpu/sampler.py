@@ -150,8 +150,26 @@ def mask_can_wait(p: SamplingParams) -> bool:
     """Whether a grammar mask commutes with this request's sampling, so that it may
     be applied only when the unmasked pick is refused (see the module docstring):
     greedy, or temperature alone. top-k / top-p / min-p choose their set from the
-    distribution the mask changes; logprobs would report the unmasked pick's."""
-    return p.logprobs is None and (p.greedy or (p.top_p >= 1.0 and p.top_k <= 0 and p.min_p <= 0))
+    distribution the mask changes; logprobs would report the unmasked pick's;
+    min_tokens' ban of the end tokens must see the mask (`_ban`)."""
+    return p.logprobs is None and not p.min_tokens and (
+        p.greedy or (p.top_p >= 1.0 and p.top_k <= 0 and p.min_p <= 0))
+
+
+def _ban(logits: torch.Tensor, banned: list[tuple[int, int]]) -> None:
+    """min_tokens: the (row, token) pairs get -inf, except in a row where the grammar
+    mask (applied before) allows nothing else: there the output is complete (a
+    `choice` ended, a JSON document closed) and the grammar's end wins over
+    min_tokens, which otherwise would leave the row no token at all."""
+    rows, toks = [r for r, _ in banned], [t for _, t in banned]
+    before = logits[rows, toks]
+    logits[rows, toks] = float("-inf")
+    urows = sorted(set(rows))
+    empty = torch.isneginf(logits[urows]).all(-1).tolist()
+    dead = {r for r, e in zip(urows, empty) if e}
+    if dead:
+        keep = [i for i, r in enumerate(rows) if r in dead]
+        logits[[rows[i] for i in keep], [toks[i] for i in keep]] = before[keep]
 
 
 # Spare uniforms a deferred sampled row keeps for `Sampler.candidates` (draws tried
@@ -323,8 +341,7 @@ class Sampler:
         if bitmask is not None and bitmask.shape[0] > 0:
             apply_bitmask(logits, bitmask, bitmask_rows)
         if batch.banned:
-            rows, toks = zip(*batch.banned)
-            logits[list(rows), list(toks)] = float("-inf")
+            _ban(logits, batch.banned)
         if batch.presence is not None or batch.frequency is not None or batch.repetition is not None:
             apply_penalties(logits, batch)
         u = None

@@ -156,3 +156,25 @@ def test_vllm_constructor_arguments(tiny_model_dir):
             vllm_engine_kwargs({"model": "m", **bad})
     with pytest.raises(TypeError, match="no_such_argument"):
         LLM(str(tiny_model_dir), engine_process=False, no_such_argument=1)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_min_tokens_never_outlives_the_grammars_end(llm, temperature):
+    """min_tokens bans the end tokens, but a constrained output the grammar has
+    ended (only the end allowed) ends there: before, the row had no token left and
+    the request failed with "grammar rejected token"."""
+    from formwork import StructuredOutputsParams
+
+    cases = [(StructuredOutputsParams(choice=["yes", "no"]), {"yes", "no"}),
+             (StructuredOutputsParams(json={"type": "boolean"}), {"true", "false"})]
+    for so, texts in cases:
+        outs = llm.generate([{"prompt_token_ids": _ids(6, s)} for s in range(4)],
+                            SamplingParams(max_tokens=12, min_tokens=5, temperature=temperature,
+                                           seed=1, structured_outputs=so), use_tqdm=False)
+        for o in outs:
+            c = o.outputs[0]
+            assert (c.finish_reason, c.error) == ("stop", None) and c.text in texts, c
+    # unconstrained, min_tokens still holds
+    out = llm.generate({"prompt_token_ids": _ids(6, 9)},
+                       SamplingParams(max_tokens=12, min_tokens=5, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 5
