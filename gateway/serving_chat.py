@@ -123,7 +123,8 @@ def _choice(c: CompletionOutput, mode: ToolMode, text: TokenText,
     return ChatChoice(index=c.index,
                       message=ResponseMessage(content=content, tool_calls=calls or None),
                       logprobs=chat_logprobs_obj(c.logprobs, text),
-                      finish_reason=finish_reason_with_tools(c.finish_reason, calls),
+                      finish_reason=finish_reason_with_tools(c.finish_reason, len(calls), mode,
+                                                             c.stop_reason),
                       stop_reason=c.stop_reason,
                       formwork=verdict.field() if verdict is not None else None)
 
@@ -214,9 +215,8 @@ def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser, text: TokenTex
         pieces.append(ChatStreamChoice(index=c.index, logprobs=logprobs, delta=DeltaMessage(
             content=content, tool_calls=calls or None)))
     if c.finish_reason is not None:
-        reason = c.finish_reason
-        if reason == "stop" and parser.num_calls:
-            reason = "tool_calls"
+        reason = finish_reason_with_tools(c.finish_reason, parser.num_calls, parser.mode,
+                                          c.stop_reason)
         pieces.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
                                        formwork=verdict.field() if verdict else None))
     return pieces

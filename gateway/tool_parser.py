@@ -82,8 +82,14 @@ def parse_tool_output(mode: ToolMode, text: str) -> tuple[str | None, list[ToolC
     return text, []
 
 
-def finish_reason_with_tools(engine_reason: str | None, calls: list) -> str | None:
-    return "tool_calls" if calls and engine_reason == "stop" else engine_reason
+def finish_reason_with_tools(engine_reason: str | None, num_calls: int, mode: ToolMode,
+                             stop_reason: int | str | None = None) -> str | None:
+    """"tool_calls" for an output that ended with its calls complete: a grammar-ended
+    (or EOS-ended) one; a named or required call cut by a stop string or stop token
+    (`stop_reason` set) stays "stop" -- its arguments may be cut short. An auto
+    call is only parsed once its closing tag is out, so it is whole either way."""
+    whole = mode.kind == "auto" or stop_reason is None
+    return "tool_calls" if num_calls and engine_reason == "stop" and whole else engine_reason
 
 
 class ToolStreamParser:

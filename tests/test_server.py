@@ -370,6 +370,28 @@ def test_tool_choice_required_and_named(client, model):
         assert len(_check_calls(single.choices[0])) == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_a_stop_string_is_not_finished_as_tool_calls(client, model, stream):
+    """A named call's arguments cut by a stop string: finish_reason "stop" (with the
+    stop string named), never "tool_calls", which says the calls are complete."""
+    kw = dict(model=model, messages=WEATHER_Q, tools=TOOLS, temperature=0, max_tokens=40,
+              tool_choice={"type": "function", "function": {"name": "get_time"}}, stop=['"'])
+    if not stream:
+        c = client.chat.completions.create(**kw).choices[0]
+        assert (c.finish_reason, c.model_extra.get("stop_reason")) == ("stop", '"')
+        args = c.message.tool_calls[0].function.arguments
+    else:
+        finish, args = None, ""
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            for ch in chunk.choices:
+                finish = ch.finish_reason or finish
+                for tc in ch.delta.tool_calls or []:
+                    args += tc.function.arguments or ""
+        assert finish == "stop"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(args)                                  # the arguments were cut short
+
+
 # The tiny model copies text well: asked to repeat a call with an invalid unit, the
 # structural tag (active after "<tool_call>") must force a valid one.
 CALL_Q = [{"role": "user", "content": 'Repeat exactly: <tool_call>\n{"name": "get_weather", '
