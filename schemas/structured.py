@@ -68,6 +68,12 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     completes it (grammar/budget.py); finish_reason stays "length".
                     None (default): the server's default, on for JSON schemas
                     (`--no-budget-aware` turns it off). Not part of the grammar.
+    disable_any_whitespace, disable_additional_properties, disable_fallback:
+                    vLLM's spellings, taken so that vLLM code runs unchanged:
+                    True sets whitespace="compact" / additional_properties=
+                    "declared" (the default) / nothing (formwork never falls back
+                    from a named backend). They are folded in at construction and
+                    read False afterwards.
     """
 
     json: dict | str | None = None
@@ -82,6 +88,17 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     backend: str = "auto"
     additional_properties: Literal["declared", "schema"] = "declared"
     budget_aware: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+
+    def __post_init__(self) -> None:
+        if self.disable_any_whitespace:
+            self.whitespace = "compact"
+        if self.disable_additional_properties:
+            self.additional_properties = "declared"
+        self.disable_any_whitespace = self.disable_additional_properties = False
+        self.disable_fallback = False
 
     def kind(self) -> str:
         set_kinds = [k for k in KINDS if is_set(k, getattr(self, k))]

@@ -5,6 +5,8 @@ conversation as the server does (tools, tool-call history, text parts,
 `continue_final_message`, `chat_template`), with errors naming the field."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -178,3 +180,23 @@ def test_min_tokens_never_outlives_the_grammars_end(llm, temperature):
     out = llm.generate({"prompt_token_ids": _ids(6, 9)},
                        SamplingParams(max_tokens=12, min_tokens=5, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) >= 5
+
+
+def test_vllm_structured_outputs_flags(llm):
+    """vLLM's StructuredOutputsParams flags are taken offline: disable_any_whitespace
+    gives compact JSON (no whitespace the schema does not ask for)."""
+    from formwork import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True, disable_fallback=True,
+                                 disable_additional_properties=True)
+    assert (so.whitespace, so.additional_properties, so.disable_any_whitespace) == \
+        ("compact", "declared", False)
+    outs = llm.generate([{"prompt_token_ids": _ids(5, s)} for s in range(3)],
+                        SamplingParams(max_tokens=40, temperature=1.0, seed=3,
+                                       structured_outputs=so), use_tqdm=False)
+    done = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert done
+    for text in done:
+        assert not any(ch.isspace() for ch in text) and set(json.loads(text)) == {"a", "b"}, text
