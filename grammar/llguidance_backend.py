@@ -21,6 +21,7 @@ from formwork.grammar.backend import (
 )
 from formwork.grammar import unique_items, unique_items_matcher
 from formwork.grammar.llguidance_grammar import to_llguidance
+from formwork.grammar.structural_tag import triggered_tags
 from formwork.grammar.vocab import TokenVocab
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -152,6 +153,21 @@ class LLGuidanceCompiled(CompiledGrammar):
         return LLGuidanceMatcher(native, self._eos)
 
 
+def unique_scan(params: StructuredOutputsParams) -> unique_items.DocScan | unique_items.TagScan | None:
+    """What the `uniqueItems` wrapper follows for `params`, None when no site is served:
+    a JSON schema's document, or the tags of a structural tag (tool calls in
+    `tool_choice: "auto"`; each tag's JSON value is followed with its own plan)."""
+    kind = params.kind()
+    if kind == "json":
+        plan = unique_items.plan(params.spec())
+        return unique_items.DocScan(plan) if plan.sites else None
+    if kind == "structural_tag":
+        tags = triggered_tags(params.spec(), params, check=lambda s: s).tags
+        plans = [(begin, unique_items.plan(schema)) for begin, schema, _ in tags]
+        return unique_items.TagScan(plans) if any(p.sites for _, p in plans) else None
+    return None
+
+
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
@@ -173,10 +189,9 @@ class LLGuidanceBackend(GrammarBackend):
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         compiled = LLGuidanceCompiled(to_llguidance(params), self.tokenizer, self._eos)
-        if params.kind() == "json":
-            plan = unique_items.plan(params.spec())
-            if plan.sites:
-                return unique_items_matcher.UniqueItemsCompiled(compiled, plan, self._unique_sets())
+        scan = unique_scan(params)
+        if scan is not None:
+            return unique_items_matcher.UniqueItemsCompiled(compiled, scan, self._unique_sets())
         return compiled
 
     def _unique_sets(self) -> unique_items_matcher.TokenSets:

@@ -303,7 +303,10 @@ def _structural_tag_lark(spec: Any, params: StructuredOutputsParams) -> str:
     """Free text in which each trigger starts a tag: the trigger is a lazy lexeme
     (it ends the text as soon as it appears), then the rest of `begin`, the JSON
     its schema allows, and `end` (llguidance's documented tool-calling shape)."""
-    tt = triggered_tags(spec, params, check=lambda s: _checked_schema(s, params)[0])
+    # a tag schema's served `uniqueItems` are kept while decoding (the wrapper follows
+    # each tag's value: grammar/unique_items.py TagScan); its grammar is built without
+    tt = triggered_tags(spec, params,
+                        check=lambda s: _checked_schema(unique_items.plan(s).schema, params)[0])
     lines, rules = ["%llguidance {}"], []
     for i, (begin, schema, end) in enumerate(tt.tags):
         trigger = max((t for t in tt.triggers if begin.startswith(t)), key=len)

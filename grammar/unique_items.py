@@ -474,3 +474,70 @@ def _follows(plan_: UniquePlan, st: _State, data: bytes) -> _State | None:
     except Duplicate:
         return None
     return None if _stuck(out) else out
+
+
+# --- what the matcher wrapper follows: one document, or the tags of free text ----
+
+class DocScan:
+    """The output is one JSON document of `plan_`'s schema (a `json` constraint)."""
+
+    def __init__(self, plan_: UniquePlan):
+        self.plan = plan_
+
+    def initial(self) -> _State:
+        return _State()
+
+    def follows(self, st: _State, data: bytes) -> _State | None:
+        return _follows(self.plan, st, data)
+
+    def json(self, st: _State) -> _State | None:
+        """The JSON scanner's state (for the mask's candidate tokens)."""
+        return st
+
+
+@dataclass(frozen=True, slots=True)
+class _Seg:
+    tail: bytes = b""            # free text: its last bytes (where a tag's begin shows)
+    tag: int = -1                # inside the JSON value of tags[tag] (-1: free text)
+    st: _State | None = None     # ... its scanner state
+    started: bool = False        # ... its first byte (not whitespace) was read
+
+
+class TagScan:
+    """Free text in which each tag's `begin` opens a JSON value of that tag's schema
+    (tool calls under `tool_choice: "auto"`: `<tool_call>\n{"name": "f", "arguments": `
+    then the arguments). The grammar forces every begin after its trigger, so a begin
+    in the text is where a value starts; a raw begin cannot sit inside a JSON value
+    (its newline would be escaped there). Each value is followed with its tag's plan
+    until it is complete, then the text is free again."""
+
+    def __init__(self, tags: list[tuple[str, UniquePlan]]):
+        self.tags = [(begin.encode(), p) for begin, p in tags]
+        self._keep = max(len(b) for b, _ in self.tags)
+
+    def initial(self) -> _Seg:
+        return _Seg()
+
+    def json(self, seg: _Seg) -> _State | None:
+        return seg.st if seg.tag >= 0 else None
+
+    def follows(self, seg: _Seg, data: bytes) -> _Seg | None:
+        try:
+            for b in data:
+                seg = self._byte(seg, b)
+        except Duplicate:
+            return None
+        return None if seg.tag >= 0 and _stuck(seg.st) else seg
+
+    def _byte(self, seg: _Seg, b: int) -> _Seg:
+        if seg.tag < 0:
+            tail = (seg.tail + bytes((b,)))[-self._keep:]
+            for i, (begin, _) in enumerate(self.tags):
+                if tail.endswith(begin):
+                    return _Seg(b"", i, _State())
+            return _Seg(tail)
+        st = step(self.tags[seg.tag][1], seg.st, bytes((b,)))
+        started = seg.started or b not in b" \t\n\r"
+        if started and not st.frames and not st.lex:
+            return _Seg()                         # the value is complete: free text
+        return _Seg(b"", seg.tag, st, started)

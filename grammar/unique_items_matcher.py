@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from formwork.grammar.backend import CompiledGrammar, Matcher, allowed_token_ids
-from formwork.grammar.unique_items import _DELIMITERS, UniquePlan, _follows, _State
+from formwork.grammar.unique_items import _DELIMITERS, DocScan, TagScan, _Seg, _State
 from formwork.grammar.vocab import TokenVocab, first_id_by_bytes
 
 
@@ -32,28 +32,29 @@ class TokenSets:
 
 
 class UniqueItemsMatcher(Matcher):
-    """`inner` (the grammar without the served `uniqueItems`) plus uniqueness."""
+    """`inner` (the grammar without the served `uniqueItems`) plus uniqueness, over
+    what `scan` follows: one JSON document (DocScan) or the tags of free text (TagScan)."""
 
-    def __init__(self, inner: Matcher, plan_: UniquePlan, sets: TokenSets):
+    def __init__(self, inner: Matcher, scan: DocScan | TagScan, sets: TokenSets):
         self.inner = inner
-        self._plan = plan_
+        self._scan = scan
         self._sets = sets
-        self._states = [_State()]
+        self._states = [scan.initial()]
         # (token, state after it) that `accepts` found allowed in the current state: the
         # deferred-mask check asks, then the engine accepts the same token; it is not
         # scanned twice. Cleared by every state change.
-        self._checked: tuple[int, _State] | None = None
+        self._checked: tuple[int, _State | _Seg] | None = None
 
     @property
     def error(self) -> str:
         return getattr(self.inner, "error", "")
 
-    def _after(self, token_ids: Sequence[int]) -> list[_State] | None:
+    def _after(self, token_ids: Sequence[int]) -> list[_State | _Seg] | None:
         st, out = self._states[-1], []
         for t in token_ids:
             data = self._sets.bytes[t] if 0 <= t < len(self._sets.bytes) else None
             if data:
-                nxt = _follows(self._plan, st, data)
+                nxt = self._scan.follows(st, data)
                 if nxt is None:
                     return None
                 st = nxt
@@ -83,9 +84,10 @@ class UniqueItemsMatcher(Matcher):
     def restrict(self, bitmask: torch.Tensor, row: int) -> None:
         """Clear, in `bitmask[row]` (filled by the inner matcher), the tokens that
         would complete a duplicate item."""
-        st = self._states[-1]
-        if self.inner.is_terminated():
-            return
+        state = self._states[-1]
+        st = self._scan.json(state)
+        if st is None or self.inner.is_terminated():
+            return              # free text between tags: a token there completes no item
         sets = self._sets
         words = bitmask[row].numpy().view(np.uint32)
         if st.frames and st.frames[-1].kind == "e":    # any token may leave only taken values
@@ -100,7 +102,7 @@ class UniqueItemsMatcher(Matcher):
             on = (words[cands >> 5] >> (cands & 31).astype(np.uint32)) & 1
             allowed = cands[on.astype(bool)]
         for t in allowed.tolist():
-            if sets.bytes[t] and _follows(self._plan, st, sets.bytes[t]) is None:
+            if sets.bytes[t] and self._scan.follows(state, sets.bytes[t]) is None:
                 words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
 
     def _to_max_length(self, st: _State) -> np.ndarray:
@@ -129,21 +131,21 @@ class UniqueItemsMatcher(Matcher):
     def reset(self) -> None:
         self._checked = None
         self.inner.reset()
-        self._states = [_State()]
+        self._states = [self._scan.initial()]
 
     def jump_forward_string(self) -> str:
         forced = self.inner.jump_forward_string()
-        if forced and _follows(self._plan, self._states[-1], forced.encode()) is None:
+        if forced and self._scan.follows(self._states[-1], forced.encode()) is None:
             return ""
         return forced
 
 
 class UniqueItemsCompiled(CompiledGrammar):
-    def __init__(self, inner: CompiledGrammar, plan_: UniquePlan, sets: TokenSets):
+    def __init__(self, inner: CompiledGrammar, scan: DocScan | TagScan, sets: TokenSets):
         self.inner = inner
         self.backend_name = inner.backend_name
-        self.plan = plan_
+        self.scan = scan
         self._sets = sets
 
     def new_matcher(self) -> UniqueItemsMatcher:
-        return UniqueItemsMatcher(self.inner.new_matcher(), self.plan, self._sets)
+        return UniqueItemsMatcher(self.inner.new_matcher(), self.scan, self._sets)

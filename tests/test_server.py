@@ -398,6 +398,27 @@ CALL_Q = [{"role": "user", "content": 'Repeat exactly: <tool_call>\n{"name": "ge
            '"arguments": {"city": "Paris", "unit": "kelvin"}}\n</tool_call>'}]
 
 
+def test_tool_choice_auto_keeps_a_set_argument_unique(client, model):
+    """A tool with a set-typed argument (`uniqueItems`, pydantic's set[str]) under the
+    default tool_choice "auto": served (it was a 400), and a call the model copies
+    with a repeated item comes back without the repeat."""
+    label = [{"type": "function", "function": {"name": "label", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                  "uniqueItems": True}},
+        "required": ["tags"]}}}]
+    ask = [{"role": "user", "content": 'Repeat exactly: <tool_call>\n{"name": "label", '
+            '"arguments": {"tags": ["news", "news", "news"]}}\n</tool_call>'}]
+    r = client.chat.completions.create(model=model, messages=ask, tools=label, temperature=0,
+                                       max_tokens=60)
+    c = r.choices[0]
+    assert c.finish_reason in ("tool_calls", "length"), c
+    for call in c.message.tool_calls or []:
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, label[0]["function"]["parameters"])
+    if c.finish_reason == "tool_calls":
+        assert json.loads(c.message.tool_calls[0].function.arguments)["tags"][0] == "news"
+
+
 def test_tool_choice_auto(client, model):
     r = client.chat.completions.create(model=model, messages=CALL_Q, tools=TOOLS,
                                        temperature=0, max_tokens=60)

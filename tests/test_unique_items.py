@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
 import pytest
@@ -155,6 +156,59 @@ def test_tool_calls_told_apart_by_name_are_served(backend, tokenizer, vocab):
     assert not unique_items._stuck(unique_items.step(plan, st, b'na'))
 
 
+def _auto_tools():
+    """tool_choice "auto" with two tools, as the server builds it: free text in which
+    `<tool_call>` starts a call (a structural tag)."""
+    from formwork.gateway.tools import ToolMode, tool_constraint
+    from formwork.schemas.openai import FunctionDefinition
+
+    fns = (FunctionDefinition(name="tag", parameters={
+               "type": "object", "properties": {"tags": STR_SET}, "required": ["tags"]}),
+           FunctionDefinition(name="pick", parameters={
+               "type": "object", "properties": {"ids": INT_SET, "note": {"type": "string"}}}))
+    return tool_constraint(ToolMode("auto", fns))
+
+
+def _calls(*calls: str) -> str:
+    return "".join(f'<tool_call>\n{{"name": "{c.split(":", 1)[0]}", "arguments": '
+                   f'{c.split(":", 1)[1]}}}\n</tool_call>\n' for c in calls)
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("Sure. " + _calls('tag:{"tags": ["a", "b"]}'), True),
+    ("Sure. " + _calls('tag:{"tags": ["a", "a"]}'), False),
+    (_calls('pick:{"ids": [1, 2], "note": "[1, 1]"}'), True),     # a string, not an array
+    (_calls('pick:{"ids": [1, 2, 1]}'), False),
+    (_calls('tag:{"tags": ["x"]}', 'tag:{"tags": ["x"]}'), True),  # each call its own array
+    (_calls('tag:{"tags": ["x"]}', 'pick:{"ids": [4, 4]}'), False),
+    ('Plain text with "a", "a" and [1, 1] in it.', True),          # free text is free
+])
+def test_tool_calls_under_tool_choice_auto(backend, tokenizer, vocab, text, ok):
+    """Under tool_choice "auto" each call's arguments keep their sets: the wrapper
+    follows the JSON after each tag's begin, and the text between calls is free."""
+    params = _auto_tools()
+    assert choose_backend(params) == "llguidance"       # xgrammar would drop uniqueItems
+    compiled = backend.compile(params)
+    assert isinstance(compiled, unique_items_matcher.UniqueItemsCompiled)
+    assert _accepts(compiled, tokenizer, vocab, text) == ok
+
+
+def test_tool_call_masks_under_tool_choice_auto(backend, tokenizer, vocab):
+    compiled = backend.compile(_auto_tools())
+    m = compiled.new_matcher()
+    assert m.accept_tokens(tokenizer.encode(
+        'Ok <tool_call>\n{"name": "tag", "arguments": {"tags": ["ab", "ab',
+        add_special_tokens=False))
+    mask = allocate_bitmask(1, VOCAB)
+    m.fill_bitmask(mask, 0)
+    allowed = allowed_token_ids(mask, 0, VOCAB)
+    assert allowed
+    assert not [t for t in allowed if vocab.token_bytes[t].startswith(b'"')]   # "ab" again
+    assert [t for t in allowed if vocab.token_bytes[t].startswith(b"c")]       # "abc" is new
+    for t in allowed[:200]:
+        assert m.accepts(t)
+
+
 def test_unions_a_name_cannot_tell_apart_stay_refused(backend):
     same = {"anyOf": [_call("a", {"type": "object", "properties": {"t": STR_SET}}),
                       _call("a", {"type": "object"})]}
@@ -257,7 +311,7 @@ def test_escaped_keys_and_nested_values_are_followed(backend, tokenizer, vocab):
     schema = {"type": "object", "properties": {
         "a\"b": STR_SET, "skip": {"type": "object"}, "n": {"type": "array", "items": INT_SET}}}
     compiled = backend.compile(P(json=schema))
-    assert len(compiled.plan.sites) == 2
+    assert len(compiled.scan.plan.sites) == 2
     assert _accepts(compiled, tokenizer, vocab, '{"a\\"b":["x","y"],"n":[[1,2],[1,2]]}')
     assert not _accepts(compiled, tokenizer, vocab, '{"a\\"b":["x","x"]}')
     assert not _accepts(compiled, tokenizer, vocab, '{"n":[[1,2],[3,3]]}')
@@ -323,12 +377,14 @@ def test_jump_forward_never_writes_a_duplicate(backend, tokenizer, vocab):
     assert m.jump_forward_string() == 'xy"'
 
 
-def _walk(compiled, vocab, rng, steps=160) -> str | None:
+def _walk(compiled, vocab, rng, steps=160, prefix: list[int] = ()) -> str | None:
     """Random walk that chases duplicates: it prefers tokens that close strings,
-    end numbers and repeat short items; None if it did not finish."""
+    end numbers and repeat short items; None if it did not finish. `prefix`:
+    tokens accepted first (part of the text)."""
     m = compiled.new_matcher()
     bm = allocate_bitmask(1, VOCAB)
-    out: list[int] = []
+    out: list[int] = list(prefix)
+    assert m.accept_tokens(out)
     chase = {b'"', b'",', b'"]', b'","', b'a', b'1', b'0', b',', b']', b'}', b'-'}
     for _ in range(steps):
         m.fill_bitmask(bm, 0)
@@ -375,3 +431,26 @@ def test_walks_chasing_duplicates_end_valid(backend, vocab, schema):
             doc = json.loads(text)
             assert validator.is_valid(doc), (text, next(validator.iter_errors(doc)).message)
     assert finished >= 10
+
+
+@pytest.mark.parametrize("tool", ["tag", "pick"])
+def test_walks_into_auto_tool_calls_end_valid(backend, tokenizer, vocab, tool):
+    """Walks that open a call under tool_choice "auto" and chase duplicates in its
+    arguments: every finished output's calls validate against their tools' schemas."""
+    params = _auto_tools()
+    compiled = backend.compile(params)
+    schemas = {"tag": {"type": "object", "properties": {"tags": STR_SET}, "required": ["tags"]},
+               "pick": {"type": "object", "properties": {"ids": INT_SET, "note": {"type": "string"}}}}
+    prefix = tokenizer.encode(f'<tool_call>\n{{"name": "{tool}", "arguments": {{"',
+                              add_special_tokens=False)
+    rng, finished, calls = random.Random(11), 0, 0
+    for _ in range(20):
+        text = _walk(compiled, vocab, rng, steps=120, prefix=prefix)
+        if text is None:
+            continue
+        finished += 1
+        for body in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S):
+            call = json.loads(body)
+            jsonschema.validate(call["arguments"], schemas[call["name"]])
+            calls += 1
+    assert finished >= 5 and calls >= finished
