@@ -40,11 +40,64 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     add_engine_arguments(p)
+    _add_vllm_arguments(p)
+
+
+# `vllm serve` flags, so that a vLLM command line runs with `vllm` swapped for
+# `formwork`: the ones with a meaning here are mapped onto formwork's flags
+# (`apply_vllm_arguments`), the ones with nothing to do are accepted and ignored.
+_VLLM_NO_OPS = {
+    "--trust-remote-code": "the loader runs no model code",
+    "--enable-auto-tool-choice": "tool_choice auto is always served",
+    "--disable-log-requests": "requests are not logged one by one",
+    "--disable-log-stats": "no periodic stats log (GET /metrics has them)",
+    "--enable-prefix-caching": "prefix caching is on by default (--no-prefix-caching turns it off)",
+    "--enable-chunked-prefill": "chunked prefill is on by default",
+}
+
+
+def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM command lines", "`vllm serve` flags, taken as they mean here")
+    g.add_argument("--model", dest="model_flag", default=None, help="the model (as MODEL)")
+    for flag, why in _VLLM_NO_OPS.items():
+        g.add_argument(flag, action="store_true", dest="vllm_" + flag[2:].replace("-", "_"),
+                       help=f"accepted: {why}")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="= --no-prefix-caching")
+    g.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+                   help="tool calls are Hermes-style <tool_call> JSON, the only parser")
+    g.add_argument("--guided-decoding-backend", default=None,
+                   choices=("auto", "llguidance", "xgrammar", "outlines", "guidance"),
+                   help="= --structured-outputs-backend")
+    g.add_argument("--kv-cache-dtype", choices=("auto",), default=None,
+                   help="the KV cache is kept in the model's dtype")
+    g.add_argument("--swap-space", type=float, default=None,
+                   help="accepted: preempted requests are recomputed, not swapped")
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="= --log-level (trace: debug)")
+
+
+def apply_vllm_arguments(args: argparse.Namespace) -> None:
+    """Fold the vLLM spellings into formwork's arguments; ValueError on a conflict."""
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+        args.model = args.model_flag
+    if args.guided_decoding_backend is not None:
+        args.structured_backend = args.guided_decoding_backend
+    if args.uvicorn_log_level is not None:
+        args.log_level = "debug" if args.uvicorn_log_level == "trace" else args.uvicorn_log_level
 
 
 def serve(args: argparse.Namespace) -> int:
     from formwork.gateway.api_server import run_server   # the server: only when it runs
 
+    try:
+        apply_vllm_arguments(args)
+    except ValueError as e:
+        print(f"formwork serve: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

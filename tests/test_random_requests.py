@@ -43,8 +43,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    s = Server(str(tiny_model_dir), "--max-model-len", "512", "--max-num-seqs", "16",
-               "--kv-cache-memory-gb", "0.1", "--dtype", "float32", "--served-model-name", "m")
+    # started with a vLLM-style command line (--model, no-op and mapped vLLM flags)
+    s = Server("--model", str(tiny_model_dir), "--max-model-len", "512", "--max-num-seqs", "16",
+               "--kv-cache-memory-gb", "0.1", "--dtype", "float32", "--served-model-name", "m",
+               "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--disable-log-requests", "--guided-decoding-backend", "auto")
     yield s
     s.stop()
 
