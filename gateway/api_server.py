@@ -74,16 +74,20 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _start(config: EngineConfig, engine_restarts: dict | None = None):
+async def _start(config: EngineConfig, engine_restarts: dict | None = None,
+                 chat_template: str | None = None):
     """(engine, release_engines, tokenizer, tokenizer pool, longest token, info): the
     engine process loads the model while this one loads the tokenizer.
-    `engine_restarts`: EngineClient's max_restarts / restart_backoff_s."""
+    `engine_restarts`: EngineClient's max_restarts / restart_backoff_s;
+    `chat_template`: replaces the tokenizer's (its copies included)."""
     engine, release_engines = make_engine_client(config, on_fatal=exit_for_supervisor,
                                                  **(engine_restarts or {}))
     starting = asyncio.create_task(engine.start())
     try:
         tokenizer = await asyncio.to_thread(load_model_tokenizer, config.model,
                                              weights=config.reads_weights)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         max_token_chars = await asyncio.to_thread(longest_token_chars, tokenizer)
         tokenizers = await asyncio.to_thread(TokenizerPool, tokenizer)
         engine.set_tokenizer(tokenizer)
@@ -110,13 +114,13 @@ def _log_ready(config: EngineConfig, names: tuple[str, ...], engine, info, t0: f
 
 
 def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None,
-              engine_restarts: dict | None = None):
+              engine_restarts: dict | None = None, chat_template: str | None = None):
     """The app's lifespan: start the engine and the tokenizer, serve, shut down."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         t0 = time.monotonic()
         engine, release_engines, tokenizer, tokenizers, max_token_chars, info = \
-            await _start(config, engine_restarts)
+            await _start(config, engine_restarts, chat_template)
         _log_ready(config, names, engine, info, t0)
         app.state.server = ServerState(engine=engine, tokenizer=tokenizer,
                                        served_model_names=names,
@@ -138,12 +142,14 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
               api_key: str | None = None,
               max_request_body_mb: float = DEFAULT_MAX_BODY_MB,
               admission: Admission | None = None,
-              engine_restarts: dict | None = None) -> FastAPI:
+              engine_restarts: dict | None = None,
+              chat_template: str | None = None) -> FastAPI:
     """`admission`: the bound on generation requests in flight (default: none);
-    `engine_restarts`: max_restarts / restart_backoff_s of the engine client."""
+    `engine_restarts`: max_restarts / restart_backoff_s of the engine client;
+    `chat_template`: a Jinja chat template in place of the tokenizer's."""
     names = tuple(served_model_names or [config.model or DEFAULT_MODEL])
     app = FastAPI(title="formwork", version=version(),
-                  lifespan=_lifespan(config, names, api_key, engine_restarts))
+                  lifespan=_lifespan(config, names, api_key, engine_restarts, chat_template))
     app.state.admission = admission or Admission(None)
     app.state.responses = ResponseStore()      # store/previous_response_id (last 1000)
     install_error_handlers(app)
@@ -160,13 +166,13 @@ def run_server(config: EngineConfig, *, host: str, port: int,
                log_level: str = "info", max_request_body_mb: float = DEFAULT_MAX_BODY_MB,
                max_waiting_requests: int = DEFAULT_MAX_WAITING,
                drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-               engine_restarts: dict | None = None) -> int:
+               engine_restarts: dict | None = None, chat_template: str | None = None) -> int:
     """Serve until SIGTERM (drained) or SIGINT; the exit status."""
     admission = Admission(max_generating(config.max_num_seqs * config.data_parallel_size,
                                          max_waiting_requests))
     app = build_app(config, served_model_names=served_model_names, api_key=api_key,
                     max_request_body_mb=max_request_body_mb, admission=admission,
-                    engine_restarts=engine_restarts)
+                    engine_restarts=engine_restarts, chat_template=chat_template)
     server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
                        timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S),

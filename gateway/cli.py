@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pathlib
 import sys
 
 from formwork.gateway.engine_args import add_engine_arguments, engine_config
@@ -39,6 +40,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="names the API answers to (default: the model name)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) in place of "
+                        "the model's (as vLLM's --chat-template)")
     add_engine_arguments(p)
     _add_vllm_arguments(p)
 
@@ -112,11 +116,30 @@ def serve(args: argparse.Namespace) -> int:
                       max_waiting_requests=args.max_waiting_requests,
                       drain_timeout_s=args.drain_timeout,
                       engine_restarts=dict(max_restarts=args.max_engine_restarts,
-                                           restart_backoff_s=args.engine_restart_backoff))
+                                           restart_backoff_s=args.engine_restart_backoff),
+                      chat_template=args.chat_template)
+
+
+def load_chat_template(spec: str) -> str:
+    """--chat-template's text: a file's contents, else the argument itself (vLLM's
+    rule); ValueError for a template Jinja cannot parse."""
+    import jinja2
+
+    text = pathlib.Path(spec).read_text(encoding="utf-8") if os.path.isfile(spec) else spec
+    if "{" not in text:
+        raise ValueError(f"--chat-template: {spec!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template: {e}") from None
+    return text
 
 
 def check_serve_arguments(args: argparse.Namespace) -> None:
-    """ValueError naming the flag of a serve-only value out of range."""
+    """ValueError naming the flag of a serve-only value out of range (and reads
+    --chat-template's file)."""
+    if args.chat_template is not None:
+        args.chat_template = load_chat_template(args.chat_template)
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests: must be >= 0 (0: no limit), "
                          f"got {args.max_waiting_requests}")

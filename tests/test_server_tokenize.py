@@ -207,3 +207,31 @@ def test_startup_logs_say_whether_cuda_graphs_are_used(server):
     state = r"on \(decode batch sizes \d+-\d+\)" if torch.cuda.is_available() else "off"
     assert re.search(rf"engine ready: .* CUDA graphs {state}", logs), logs
     assert re.search(rf"serving .* \| CUDA graphs {state} \|", logs), logs
+
+
+@pytest.mark.slow
+def test_chat_template_flag_replaces_the_models(tiny_model_dir, tmp_path):
+    """--chat-template FILE (vLLM's flag): chats are rendered with it, /tokenize and
+    /v1/chat/completions alike; a template Jinja cannot parse stops the start."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    s = Server(str(tiny_model_dir), "--chat-template", str(template), "--dtype", "float32",
+               "--kv-cache-memory-gb", "0.05", "--max-model-len", "256")
+    try:
+        msgs = [{"role": "user", "content": "Hi there"}]
+        tok = httpx.post(f"{s.url}/tokenize", json={"messages": msgs}, headers=AUTH).json()
+        text = httpx.post(f"{s.url}/detokenize", json={"tokens": tok["tokens"]}, headers=AUTH).json()
+        assert text["prompt"] == "<user>Hi there\n<assistant>"
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0)
+        r = client.chat.completions.create(model=client.models.list().data[0].id, messages=msgs,
+                                           max_tokens=1)
+        assert r.usage.prompt_tokens == tok["count"]
+    finally:
+        s.stop()
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-P", "-m", "formwork", "serve", str(tiny_model_dir),
+                           "--chat-template", "{% for m in messages %}"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--chat-template: not a valid Jinja template" in proc.stderr
