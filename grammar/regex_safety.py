@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import re._constants as c
 import re._parser as sre_parse
+import warnings
 
 _UNSAFE_CATEGORIES = {c.CATEGORY_SPACE, c.CATEGORY_NOT_SPACE, c.CATEGORY_NOT_WORD,
                       c.CATEGORY_NOT_DIGIT, c.CATEGORY_LINEBREAK, c.CATEGORY_NOT_LINEBREAK}
@@ -58,7 +59,9 @@ def _seq_ok(seq) -> bool:
 def pattern_is_json_safe(pattern: str) -> bool:
     """True if every string `pattern` can match is free of `"`, `\\` and C0 controls."""
     try:
-        parsed = sre_parse.parse(pattern)
+        with warnings.catch_warnings():   # "Possible nested set" on a user's `[[`: a warning
+            warnings.simplefilter("ignore", FutureWarning)    # about Python's future syntax
+            parsed = sre_parse.parse(pattern)
     except (re.error, ValueError, RecursionError, OverflowError):
         return False
     return _seq_ok(parsed)
