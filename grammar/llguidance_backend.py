@@ -162,7 +162,10 @@ def unique_scan(params: StructuredOutputsParams) -> unique_items.DocScan | uniqu
         plan = unique_items.plan(params.spec())
         return unique_items.DocScan(plan) if plan.sites else None
     if kind == "structural_tag":
-        tags = triggered_tags(params.spec(), params, check=lambda s: s).tags
+        try:
+            tags = triggered_tags(params.spec(), params, check=lambda s: s).tags
+        except ValueError:      # another shape (an answer or calls): no site is served there
+            return None
         plans = [(begin, unique_items.plan(schema)) for begin, schema, _ in tags]
         return unique_items.TagScan(plans) if any(p.sites for _, p in plans) else None
     return None

@@ -50,7 +50,7 @@ from formwork.grammar import unique_items
 from formwork.grammar.schema_rules import duplicate_name_issues
 from formwork.grammar.schema_closing import close_declared_objects, drop_legacy_ref_siblings
 from formwork.grammar.schema_walk import iter_nodes, map_ref_targets, validator_class
-from formwork.grammar.structural_tag import triggered_tags
+from formwork.grammar.structural_tag import AnswerOrCalls, answer_or_calls, triggered_tags
 from formwork.schemas.structured import StructuredOutputsParams
 
 # A schema's own "x-guidance" options are applied before these, so it can never
@@ -299,10 +299,36 @@ def _lark_text(text: str) -> str:
     return json.dumps(text) if text else ""
 
 
+def _embedded(schema: Any, params: StructuredOutputsParams) -> str:
+    """A checked schema as the argument of Lark's `%json`, with the request's JSON
+    options and formwork's soundness options."""
+    embedded = _closed(schema, params)
+    embedded = (embedded if isinstance(embedded, dict) else {}) | {"x-guidance": {
+        **json_options(params), **(embedded.get("x-guidance") or {}), **_SOUND}}
+    return json.dumps(embedded)
+
+
+def _answer_or_calls_lark(aoc: AnswerOrCalls, params: StructuredOutputsParams) -> str:
+    """The answer's JSON, or the calls (each begin, its JSON, end; `separator`
+    between them, one only with stop_after_first) and nothing else."""
+    lines = ["%llguidance {}", f"answer: %json {_embedded(aoc.answer, params)}"]
+    for i, (begin, schema, end) in enumerate(aoc.tags):
+        lines.append(f"tag_{i}: {_lark_text(begin)} %json {_embedded(schema, params)} "
+                     f"{_lark_text(end)}")
+    lines.append("call: " + " | ".join(f"tag_{i}" for i in range(len(aoc.tags))))
+    calls = "call" if aoc.stop_after_first else f"call ({_lark_text(aoc.separator)} call)*"
+    lines.append(f"start: answer | {calls}")
+    return "\n".join(lines)
+
+
 def _structural_tag_lark(spec: Any, params: StructuredOutputsParams) -> str:
     """Free text in which each trigger starts a tag: the trigger is a lazy lexeme
     (it ends the text as soon as it appears), then the rest of `begin`, the JSON
-    its schema allows, and `end` (llguidance's documented tool-calling shape)."""
+    its schema allows, and `end` (llguidance's documented tool-calling shape).
+    Or the answer-or-calls shape of a response_format beside tool_choice auto."""
+    aoc = answer_or_calls(spec, params, check=lambda s: _checked_schema(s, params)[0])
+    if aoc is not None:     # (its `uniqueItems` stay refused: the wrapper follows tags only)
+        return _answer_or_calls_lark(aoc, params)
     # a tag schema's served `uniqueItems` are kept while decoding (the wrapper follows
     # each tag's value: grammar/unique_items.py TagScan); its grammar is built without
     tt = triggered_tags(spec, params,
@@ -310,12 +336,9 @@ def _structural_tag_lark(spec: Any, params: StructuredOutputsParams) -> str:
     lines, rules = ["%llguidance {}"], []
     for i, (begin, schema, end) in enumerate(tt.tags):
         trigger = max((t for t in tt.triggers if begin.startswith(t)), key=len)
-        embedded = _closed(schema, params)
-        embedded = (embedded if isinstance(embedded, dict) else {}) | {"x-guidance": {
-            **json_options(params), **(embedded.get("x-guidance") or {}), **_SOUND}}
         lines.append(f"tag_{i}_trig[lazy]: TEXT {_lark_text(trigger)}")
         lines.append(f"tag_{i}: tag_{i}_trig {_lark_text(begin[len(trigger):])} "
-                     f"%json {json.dumps(embedded)} {_lark_text(end)}")
+                     f"%json {_embedded(schema, params)} {_lark_text(end)}")
         rules.append(f"tag_{i}")
     any_tag = "(" + " | ".join(rules) + ")"
     if tt.stop_after_first:

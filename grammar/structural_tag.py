@@ -125,3 +125,44 @@ def triggered_tags(spec: Any, params: StructuredOutputsParams,
             raise ValueError(f"structural_tag: begin {begin!r} starts with no trigger")
     return TriggeredTags(triggers, tuple(tags), bool(tag.get("at_least_one")),
                          bool(tag.get("stop_after_first")))
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerOrCalls:
+    """A JSON answer, or one or more tags (begin, schema, end) joined by `separator`
+    and nothing else (`response_format` beside `tool_choice: "auto"`,
+    gateway/tools.py `_answer_or_calls_tag`): the neutral view for llguidance."""
+    answer: Any
+    tags: tuple[tuple[str, Any, str], ...]
+    separator: str
+    stop_after_first: bool
+
+
+def answer_or_calls(spec: Any, params: StructuredOutputsParams,
+                    check: Callable[[Any], Any]) -> AnswerOrCalls | None:
+    """`spec` as AnswerOrCalls (schemas checked), or None for any other shape."""
+    if not isinstance(spec, dict) or not _is_own_format(spec):
+        return None
+    fmt = spec.get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "or":
+        return None
+    elements = fmt.get("elements") or []
+    if len(elements) != 2 or not all(isinstance(e, dict) for e in elements):
+        return None
+    answer, calls = elements
+    if answer.get("type") != "json_schema" or calls.get("type") != "tags_with_separator":
+        return None
+    tags = []
+    for t in calls.get("tags") or []:
+        content = t.get("content") if isinstance(t, dict) else None
+        if not isinstance(content, dict) or content.get("type") != "json_schema":
+            return None
+        tags.append((t["begin"], content["json_schema"], t.get("end", "")))
+    if not tags or not calls.get("at_least_one"):
+        return None
+    tag = structural_tag_spec(spec, params, check)["format"]       # schemas checked
+    checked = [e for e in tag["elements"]]
+    return AnswerOrCalls(
+        checked[0]["json_schema"],
+        tuple((b, t["content"]["json_schema"], e) for (b, _, e), t in zip(tags, checked[1]["tags"])),
+        str(calls.get("separator", "")), bool(calls.get("stop_after_first")))

@@ -139,16 +139,19 @@ def test_tools_with_response_format_per_tool_choice():
     assert e.value.param == "tools" and "only one output constraint" in e.value.message
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 @pytest.mark.parametrize("parallel", [True, False])
-def test_auto_with_response_format_is_an_answer_or_calls(parallel):
+def test_auto_with_response_format_is_an_answer_or_calls(parallel, backend):
+    """The same language on both backends (llguidance takes it where xgrammar refuses
+    a tool's or the answer's schema: next test)."""
     from formwork.gpu.model_files import load_model_tokenizer
+    from formwork.grammar.manager import build_backend
     from formwork.grammar.vocab import TokenVocab
-    from formwork.grammar.xgrammar_backend import XGrammarBackend
     tok = load_model_tokenizer(None)
     vocab = TokenVocab.from_tokenizer(tok, 49152)
     so, _ = constraint(tools=[WEATHER, FORECAST], response_format=ANSWER,
                        parallel_tool_calls=parallel)
-    compiled = XGrammarBackend(vocab).compile(so)
+    compiled = build_backend(backend, vocab, tok).compile(so)
 
     def accepts(text: str) -> bool:
         m = compiled.new_matcher()
@@ -160,6 +163,34 @@ def test_auto_with_response_format_is_an_answer_or_calls(parallel):
     assert accepts('{"verdict": "yes"}') and accepts(call) and accepts(call2)
     assert accepts(call + "\n" + call2) == parallel
     for bad in ('{"verdict": "maybe"}', "free text", "Sure. " + call, '{"verdict": "no"} ' + call):
+        assert not accepts(bad), bad
+
+
+def test_auto_with_response_format_and_a_pattern_tool_is_served_exactly():
+    """A tool with a `pattern` beside a response_format (the shape openai-agents sends
+    for an agent with tools and an output type): xgrammar refuses the pattern, so
+    llguidance serves the answer-or-calls language, the pattern exact."""
+    from formwork.gpu.model_files import load_model_tokenizer
+    from formwork.grammar.manager import build_backend
+    from formwork.grammar.selection import choose_backend
+    from formwork.grammar.vocab import TokenVocab
+    tok = load_model_tokenizer(None)
+    vocab = TokenVocab.from_tokenizer(tok, 49152)
+    code = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]+$"}},
+        "required": ["code"], "additionalProperties": False}}}
+    so, _ = constraint(tools=[code, WEATHER], response_format=ANSWER)
+    assert choose_backend(so) == "llguidance"
+    compiled = build_backend("llguidance", vocab, tok).compile(so)
+
+    def accepts(text: str) -> bool:
+        m = compiled.new_matcher()
+        return (m.accept_tokens(tok.encode(text, add_special_tokens=False))
+                and m.accept_tokens([vocab.eos_token_id]) and m.is_terminated())
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"code": "AB12"}}\n</tool_call>'
+    assert accepts('{"verdict": "yes"}') and accepts(call) and accepts(call + "\n" + call)
+    for bad in (call.replace("AB12", "ab12"), call.replace("AB12", "AB"), '{"verdict": "maybe"}',
+                "free text", '{"verdict": "no"} ' + call):
         assert not accepts(bad), bad
 
 

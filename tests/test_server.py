@@ -419,6 +419,26 @@ def test_tool_choice_auto_keeps_a_set_argument_unique(client, model):
         assert json.loads(c.message.tool_calls[0].function.arguments)["tags"][0] == "news"
 
 
+def test_tools_with_a_pattern_beside_a_response_format_are_served(client, model):
+    """An agent with tools and an output type (openai-agents' shape): a tool schema
+    with a `pattern` next to a json_schema response_format was a 400 (xgrammar
+    refuses the pattern); now llguidance serves it and the answer validates."""
+    code = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]+$"}},
+        "required": ["code"], "additionalProperties": False}}}]
+    answer = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=model, messages=ASK, tools=code, temperature=0, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": answer}})
+    c = r.choices[0]
+    assert c.finish_reason in ("stop", "tool_calls", "length"), c
+    if c.finish_reason == "stop":
+        jsonschema.validate(json.loads(c.message.content), answer)
+    for call in c.message.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), code[0]["function"]["parameters"])
+
+
 def test_tool_choice_auto(client, model):
     r = client.chat.completions.create(model=model, messages=CALL_Q, tools=TOOLS,
                                        temperature=0, max_tokens=60)
