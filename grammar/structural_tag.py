@@ -152,17 +152,13 @@ def answer_or_calls(spec: Any, params: StructuredOutputsParams,
     answer, calls = elements
     if answer.get("type") != "json_schema" or calls.get("type") != "tags_with_separator":
         return None
-    tags = []
-    for t in calls.get("tags") or []:
-        content = t.get("content") if isinstance(t, dict) else None
-        if not isinstance(content, dict) or content.get("type") != "json_schema":
-            return None
-        tags.append((t["begin"], content["json_schema"], t.get("end", "")))
-    if not tags or not calls.get("at_least_one"):
+    tags = calls.get("tags") or []
+    if not tags or not calls.get("at_least_one") or not all(
+            isinstance(t, dict) and "begin" in t and isinstance(t.get("content"), dict)
+            and t["content"].get("type") == "json_schema" for t in tags):
         return None
-    tag = structural_tag_spec(spec, params, check)["format"]       # schemas checked
-    checked = [e for e in tag["elements"]]
+    answer, calls = structural_tag_spec(spec, params, check)["format"]["elements"]  # checked
     return AnswerOrCalls(
-        checked[0]["json_schema"],
-        tuple((b, t["content"]["json_schema"], e) for (b, _, e), t in zip(tags, checked[1]["tags"])),
+        answer["json_schema"],
+        tuple((t["begin"], t["content"]["json_schema"], t.get("end", "")) for t in calls["tags"]),
         str(calls.get("separator", "")), bool(calls.get("stop_after_first")))
