@@ -32,7 +32,8 @@ from formwork.gateway.errors import APIError, install_error_handlers
 from formwork.gateway.limits import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware, longest_token_chars
 from formwork.gateway.metrics import Metrics
 from formwork.gateway.responses_store import ResponseStore
-from formwork.gateway.routes import router, version
+from formwork.gateway.routes import router
+from formwork.gateway.version import version
 from formwork.gateway.serving import ServerState
 from formwork.gateway.shutdown import DrainingServer, drain, exit_for_supervisor
 from formwork.gateway.tokenizer_pool import TokenizerPool

@@ -11,7 +11,8 @@ import os
 import pathlib
 import sys
 
-from formwork.gateway.engine_args import add_engine_arguments, engine_config
+from formwork.gateway.engine_args import FLAGS, add_engine_arguments, engine_config
+from formwork.gateway.version import version
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +72,7 @@ def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", choices=("hermes",), default=None,
                    help="tool calls are Hermes-style <tool_call> JSON, the only parser")
     g.add_argument("--guided-decoding-backend", default=None,
-                   choices=("auto", "llguidance", "xgrammar", "outlines", "guidance"),
+                   choices=FLAGS["structured_backend"].choices,
                    help="= --structured-outputs-backend")
     g.add_argument("--kv-cache-dtype", choices=("auto",), default=None,
                    help="the KV cache is kept in the model's dtype")
@@ -153,18 +154,9 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
                          f"got {args.drain_timeout}")
 
 
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("formwork")
-    except metadata.PackageNotFoundError:     # run from a checkout that is not installed
-        return "unknown"
-
-
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="formwork", description="Structured-output-first LLM serving")
-    parser.add_argument("--version", action="version", version=f"formwork {_version()}")
+    parser.add_argument("--version", action="version", version=f"formwork {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="run the OpenAI-compatible server"))
     extract = sub.add_parser("extract", help="extract structured data from text with a schema")

@@ -5,7 +5,6 @@ serving module that answers it, or reads the server's state (/health, /metrics,
 from __future__ import annotations
 
 import contextlib
-from importlib import metadata
 from typing import Any
 
 from fastapi import APIRouter, Body, Request
@@ -20,6 +19,7 @@ from formwork.gateway.serving_chat import create_chat_completion
 from formwork.gateway.serving_completion import create_completion
 from formwork.gateway.serving_responses import create_response
 from formwork.gateway.serving_tokenize import detokenize, tokenize
+from formwork.gateway.version import version
 from formwork.gpu.model_files import DEFAULT_MODEL
 from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
 from formwork.schemas.openai_base import ModelCard, ModelList
@@ -27,14 +27,6 @@ from formwork.schemas.openai_tokenize import DetokenizeRequest
 from formwork.schemas.responses import ResponsesRequest
 
 router = APIRouter()
-
-
-def version() -> str:
-    """The installed formwork's version (what /version answers and the logs say)."""
-    try:
-        return metadata.version("formwork")
-    except metadata.PackageNotFoundError:
-        return "0.1.0"
 
 
 def _state(request: Request) -> ServerState:
