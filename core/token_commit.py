@@ -26,6 +26,8 @@ def commit_sampled(req: Request, token_id: int, lp: RawLogprobs | None, *,
     status = _stop_status(req, token_id, max_model_len)
     if status is not None or not req.use_structured_output:
         return status
+    if req.sampling_params.restricts_tokens:    # its tokens are sampled under its bans
+        return None
     for forced in som.jump_forward_tokens(rid):
         outputs.append(req, forced, (0.0, [], 1))   # forced by the grammar: p = 1 under it
         if (status := _stop_status(req, forced, max_model_len)) is not None:

@@ -20,12 +20,11 @@ def completion_logprobs(lps: list[TokenLogprobs] | None, text: TokenText, offset
         return out
     out = out if out is not None else CompletionLogprobs()
     for lp in lps:
-        token = text(lp.chosen.token_id)
-        out.tokens.append(token)
+        out.tokens.append(text.label(lp.chosen.token_id))
         out.token_logprobs.append(lp.chosen.logprob)
-        out.top_logprobs.append({text(a.token_id): a.logprob for a in lp.top} or None)
+        out.top_logprobs.append({text.label(a.token_id): a.logprob for a in lp.top} or None)
         out.text_offset.append(offset)
-        offset += len(token)
+        offset += len(text(lp.chosen.token_id))
     return out
 
 
@@ -35,12 +34,12 @@ def echo_logprobs(ids: list[int], plps: PromptLogprobsList | None,
     not scored) has null logprob; top_logprobs holds the prompt token and the top-k."""
     out, offset = CompletionLogprobs(), 0
     for tid, d in zip(ids, plps or [None] * len(ids)):
-        token = text(tid)
-        out.tokens.append(token)
+        out.tokens.append(text.label(tid))
         out.text_offset.append(offset)
-        offset += len(token)
+        offset += len(text(tid))
         out.token_logprobs.append(_clamp(d[tid].logprob) if d else None)
-        out.top_logprobs.append({text(t): _clamp(lp.logprob) for t, lp in d.items()} if d else None)
+        out.top_logprobs.append({text.label(t): _clamp(lp.logprob) for t, lp in d.items()}
+                                if d else None)
     return out
 
 

@@ -28,7 +28,8 @@ from typing import Any, Callable, Sequence
 from formwork.core.step_hooks import StepHooks
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
-from formwork.schemas.sampling import SamplingParams, check_priority, check_token_ids
+from formwork.schemas.sampling import (SamplingParams, check_priority, check_token_ids,
+                                       resolve_bad_words)
 
 PromptType = str | dict[str, Any]
 
@@ -170,6 +171,7 @@ class LLM:
         tokenized = [self._to_tokens(p) for p in prompts]
         for (_, ids), p in zip(tokenized, params):
             self.engine.check_prompt(ids)
+            resolve_bad_words(p, self.tokenizer)
             check_token_ids(p, self.engine.vocab_size)
             check_priority(p, self.config.scheduling_policy)
         order = []

@@ -10,13 +10,14 @@ from formwork.gateway.errors import APIError, bad_request
 from formwork.gateway.tools import ToolMode, tool_constraint
 from formwork.grammar.selection import validate_params
 from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
-from formwork.schemas.sampling import SamplingParams, check_priority, check_token_ids
+from formwork.schemas.sampling import (SamplingParams, check_priority, check_token_ids,
+                                       resolve_bad_words)
 from formwork.schemas.structured import FALSE_SCHEMA, KINDS, StructuredOutputsParams, is_set
 
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                 "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "priority",
-                "cache_salt")
+                "cache_salt", "allowed_token_ids", "bad_words")
 MAX_TEMPERATURE = 2.0        # OpenAI's bound (the offline SamplingParams has none, as vLLM)
 # vLLM's structured_outputs options -> formwork's fields (a False is vLLM's default: no change)
 _VLLM_FLAGS = {"disable_any_whitespace": ("whitespace", "compact"),
@@ -177,11 +178,12 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_token
                     rename: dict[str, str] | None = None,
                     prompt_logprobs: int | None = None,
                     vocab_size: int | None = None,
-                    scheduling_policy: str = "fcfs") -> SamplingParams:
+                    scheduling_policy: str = "fcfs", tokenizer=None) -> SamplingParams:
     """Build SamplingParams; its ValueError "param: msg" becomes a 400 on the request field
     (`rename` maps engine names to request names, e.g. logprobs -> top_logprobs).
     `vocab_size`: token ids (stop_token_ids, logit_bias) are checked against it. A
-    `priority` other than 0 needs the server's scheduling_policy "priority" (as vLLM)."""
+    `priority` other than 0 needs the server's scheduling_policy "priority" (as vLLM).
+    `tokenizer`: turns bad_words into token sequences (`resolve_bad_words`)."""
     fields = {k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
@@ -192,6 +194,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_token
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs, structured_outputs=structured,
                                 logit_bias=_logit_bias(req), **fields)
+        if tokenizer is not None:
+            resolve_bad_words(params, tokenizer)
         if vocab_size is not None:
             check_token_ids(params, vocab_size)
         check_priority(params, scheduling_policy)

@@ -51,11 +51,16 @@ class ServerState:
 
 
 class TokenText:
-    """Token id -> its text (cached), for logprobs."""
+    """Token id -> its text (cached), for logprobs; `label` names a token in them:
+    its text, or "token_id:<id>" under vLLM's return_tokens_as_token_ids (`as_ids`)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, as_ids: bool = False) -> None:
         self._tok = tokenizer
         self._cache: dict[int, str] = {}
+        self._as_ids = as_ids
+
+    def label(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self._as_ids else self(token_id)
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)

@@ -40,6 +40,7 @@ class PreparedChat:
     params: SamplingParams
     mode: ToolMode
     source: str | None       # request field of the output constraint, if any
+    token_ids_as_names: bool = False    # return_tokens_as_token_ids
 
 
 def _texts(content) -> list[str]:
@@ -81,8 +82,9 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                              structured=structured, prompt_logprobs=explicit_prompt_logprobs(req),
                              rename={"max_tokens": max_param, "logprobs": "top_logprobs"},
                              vocab_size=len(state.tokenizer),
-                             scheduling_policy=state.scheduling_policy)
-    return PreparedChat(model, prompt, ids, params, mode, source)
+                             scheduling_policy=state.scheduling_policy, tokenizer=state.tokenizer)
+    return PreparedChat(model, prompt, ids, params, mode, source,
+                        req.return_tokens_as_token_ids)
 
 
 def chat_logprobs_obj(lps: list[TokenLogprobs] | None, text: TokenText) -> ChoiceLogprobs | None:
@@ -91,7 +93,7 @@ def chat_logprobs_obj(lps: list[TokenLogprobs] | None, text: TokenText) -> Choic
 
     def top(token_id: int, logprob: float) -> TopLogprob:
         t = text(token_id)
-        return TopLogprob(token=t, logprob=logprob, bytes=list(t.encode("utf-8")))
+        return TopLogprob(token=text.label(token_id), logprob=logprob, bytes=list(t.encode("utf-8")))
 
     content = []
     for lp in lps:
@@ -142,7 +144,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             generate_final(state, request_id, prep.prompt, prep.prompt_ids, prep.params, timer), raw)
     except APIError as e:
         raise blame(e, prep.source) from None
-    text = TokenText(state.tokenizer)
+    text = TokenText(state.tokenizer, prep.token_ids_as_names)
     choices = [_choice(c, prep.mode, text, output_verdict(prep, c, state.metrics))
                for c in final.outputs]
     resp = ChatCompletionResponse(id=request_id, model=prep.model, choices=choices,
@@ -171,7 +173,7 @@ def _chunk(request_id: str, created: int, model: str, choice: ChatStreamChoice |
 async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
                        timer: RequestTimer, include_usage: bool) -> AsyncIterator[str]:
     created, model = int(time.time()), prep.model
-    text = TokenText(state.tokenizer)
+    text = TokenText(state.tokenizer, prep.token_ids_as_names)
     parsers = [ToolStreamParser(prep.mode) for _ in range(prep.params.n)]
     for i in range(prep.params.n):
         yield _chunk(request_id, created, model, ChatStreamChoice(

@@ -44,6 +44,7 @@ class PreparedCompletion:
     echo: bool = False
     logprobs: int | None = None                       # as asked (the engine may compute more)
     show_prompt_logprobs: bool = False                # `prompt_logprobs` field in the choices
+    token_ids_as_names: bool = False                  # return_tokens_as_token_ids
 
 
 def _prompts(tokenizer, state: ServerState, prompt,
@@ -106,12 +107,12 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
                   len(ids), req.max_tokens, state.max_model_len, "prompt"),
                   logprobs=engine_lp, prompt_logprobs=engine_plp, structured=structured,
                   vocab_size=len(state.tokenizer),
-                  scheduling_policy=state.scheduling_policy)
+                  scheduling_policy=state.scheduling_policy, tokenizer=state.tokenizer)
               for _, ids in prompts]
     if best_of != req.n:
         params = [p.clone(n=best_of) for p in params]
     return PreparedCompletion(model, prompts, params, source, req.n, best_of, req.echo,
-                              req.logprobs, shown_plp is not None)
+                              req.logprobs, shown_plp is not None, req.return_tokens_as_token_ids)
 
 
 def _usage(prep: PreparedCompletion, finals: list[RequestOutput]) -> UsageInfo:
@@ -169,7 +170,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         finals = await run_until_disconnect(asyncio.gather(*runs), raw)
     except APIError as e:
         raise blame(e, prep.source) from None
-    text = TokenText(state.tokenizer)
+    text = TokenText(state.tokenizer, prep.token_ids_as_names)
     choices = [c for i, ro in enumerate(finals)
                for c in _choices(prep, i, ro, text, state.metrics)]
     resp = CompletionResponse(id=request_id, model=prep.model, choices=choices,
@@ -219,7 +220,7 @@ class _ChoiceDeltas:
 
     def __init__(self, state: ServerState, prep: PreparedCompletion, echo: bool):
         self.state, self.prep, self.echo = state, prep, echo
-        self.text = TokenText(state.tokenizer)
+        self.text = TokenText(state.tokenizer, prep.token_ids_as_names)
         self.echoed: set[int] = set()
         self.offsets: dict[int, int] = {}
 

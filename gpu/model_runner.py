@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from formwork.gpu.cuda_graph import DecodeGraphRunner
-from formwork.gpu.sampler import Sampler, SamplingBatch, logit_bias_tensors, score_prompt
+from formwork.gpu.sampler import (Sampler, SamplingBatch, allowed_tensors, bad_word_bans,
+                                  logit_bias_tensors, score_prompt)
 from formwork.kernels import cpu_sampling
 from formwork.schemas.sampling import SamplingParams
 from formwork.schemas.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -233,6 +234,9 @@ class ModelRunner:
             if p.min_tokens and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
                 ids = list(p.stop_token_ids or []) + ([s.eos_token_id] if s.eos_token_id is not None else [])
                 banned.extend((row, t) for t in ids)
+        # rows with bans (logit_bias -100, allowed_token_ids, bad_words): the sampler gives
+        # such a row its logits back when the bans leave no token the grammar allows
+        restricted = [row for row, p in enumerate(ps) if p.restricts_tokens]
         return SamplingBatch(
             temperature=col([0.0 if p.greedy else p.temperature for p in ps]),
             top_p=col([p.top_p for p in ps]) if use_top_p else None,
@@ -251,4 +255,10 @@ class ModelRunner:
             banned=banned or None,
             logit_bias=(logit_bias_tensors([p.logit_bias for p in ps], dev)
                         if any(p.logit_bias for p in ps) else None),
+            allowed=(allowed_tensors([p.allowed_token_ids for p in ps], dev)
+                     if any(p.allowed_token_ids for p in ps) else None),
+            word_bans=(bad_word_bans([(p.bad_words_token_ids, s.token_ids[s.num_prompt_tokens:])
+                                      for s, p in zip(states, ps)])
+                       if any(p.bad_words_token_ids for p in ps) else None) or None,
+            restricted=col(restricted, torch.int64) if restricted else None,
         )

@@ -1,9 +1,13 @@
-"""logits -> logit_bias -> grammar bitmask -> penalties -> logprobs -> temperature /
-min-p / top-k / top-p -> token ids.
+"""logits -> logit_bias -> allowed_token_ids -> bad_words -> grammar bitmask ->
+min_tokens -> penalties -> logprobs -> temperature / min-p / top-k / top-p -> token ids.
 
 Order matters: OpenAI's logit_bias is added to the model's logits first (a bias
-of -100 bans the token); then the grammar mask, so that no sampling step can
-ever pick a token the grammar forbids. Returned logprobs follow vLLM's
+of -100 bans the token), vLLM's allowed_token_ids and bad_words ban theirs; then
+the grammar mask, so that no sampling step can ever pick a token the grammar
+forbids. A row those bans leave without any token the grammar allows (a user's
+ban against the grammar's only continuation) gets its logits back from before
+the bans, masked by the grammar alone (`_revive`): the output still follows the
+grammar, and a row is never left with nothing to pick. Returned logprobs follow vLLM's
 `logprobs_mode`: "raw_logprobs" (default) are the model's own distribution,
 before the mask, penalties and temperature; "processed_logprobs" are taken
 after the mask and penalties, and top entries a mask or ban ruled out (-inf)
@@ -65,6 +69,12 @@ class SamplingBatch:
     # OpenAI logit_bias, flattened over the rows that have one (None when no row has):
     # ([N] int64 rows, [N] int64 token ids, [N] float32 biases, -inf for a ban)
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # vLLM's allowed_token_ids, flattened: ([N] rows, [N] token ids); None when no row has them
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # vLLM's bad_words: (row, token id) pairs that would complete a bad word this step
+    word_bans: list[tuple[int, int]] | None = None
+    # [K] rows with a ban of any of the three kinds above (`_revive` looks at them only)
+    restricted: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -124,6 +134,66 @@ def logit_bias_tensors(biases: list[dict[int, float] | None],
             torch.tensor(vals, dtype=torch.float32, device=device))
 
 
+def allowed_tensors(allowed: list[list[int] | None],
+                    device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-row allowed token ids -> the flat (rows, ids) SamplingBatch.allowed."""
+    rows = [row for row, ids in enumerate(allowed) for _ in (ids or ())]
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor([t for ids in allowed for t in (ids or ())], dtype=torch.int64,
+                         device=device))
+
+
+def bad_word_bans(rows: list[tuple[list[list[int]] | None, list[int]]]) -> list[tuple[int, int]]:
+    """(row, token) pairs to ban: per row (its bad words as token sequences, its output
+    so far), the last token of each sequence whose other tokens end the output (a
+    one-token word: always), as vLLM's bad_words."""
+    out = []
+    for row, (seqs, output) in enumerate(rows):
+        for seq in seqs or ():
+            head = len(seq) - 1
+            if head == 0 or (head <= len(output) and output[-head:] == seq[:-1]):
+                out.append((row, seq[-1]))
+    return out
+
+
+def _restrict(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place: allowed_token_ids (every other token of those rows to -inf), then
+    the bad-word bans."""
+    if batch.allowed is not None:
+        rows, ids = batch.allowed
+        kept = logits[rows, ids]
+        urows = torch.unique(rows)
+        logits.index_fill_(0, urows, float("-inf"))
+        logits[rows, ids] = kept
+    if batch.word_bans:
+        logits[[r for r, _ in batch.word_bans], [t for _, t in batch.word_bans]] = float("-inf")
+
+
+def _revive(logits: torch.Tensor, saved: torch.Tensor, rows: torch.Tensor,
+            bitmask: torch.Tensor | None, bitmask_rows: torch.Tensor | None) -> None:
+    """Restricted rows `rows` whose bans (with the grammar mask) left every token at
+    -inf get `saved` (their logits before the bans) back, with the grammar mask alone."""
+    dead = torch.isneginf(logits.index_select(0, rows)).all(-1)
+    if not bool(dead.any()):
+        return
+    which = dead.nonzero().flatten()
+    back = saved.index_select(0, which)
+    targets = rows.index_select(0, which)
+    if bitmask is not None and bitmask.shape[0] > 0:
+        mask_rows = (bitmask_rows.tolist() if bitmask_rows is not None
+                     else list(range(bitmask.shape[0])))
+        where = {r: i for i, r in enumerate(mask_rows)}
+        own = [(j, where[r]) for j, r in enumerate(targets.tolist()) if r in where]
+        if own:
+            dev = logits.device
+            apply_bitmask(back, bitmask.index_select(
+                0, torch.tensor([i for _, i in own], dtype=torch.int64, device=dev)),
+                torch.tensor([j for j, _ in own], dtype=torch.int64, device=dev))
+    logits.index_copy_(0, targets, back)
+
+
 def _top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Returns logits with excluded tokens at -inf. logits: [B, V] float32, already / temperature."""
     if batch.min_p is not None:
@@ -151,8 +221,9 @@ def mask_can_wait(p: SamplingParams) -> bool:
     be applied only when the unmasked pick is refused (see the module docstring):
     greedy, or temperature alone. top-k / top-p / min-p choose their set from the
     distribution the mask changes; logprobs would report the unmasked pick's;
-    min_tokens' ban of the end tokens must see the mask (`_ban`)."""
-    return p.logprobs is None and not p.min_tokens and (
+    min_tokens' ban of the end tokens must see the mask (`_ban`), and so must a ban
+    (`_revive`)."""
+    return p.logprobs is None and not p.min_tokens and not p.restricts_tokens and (
         p.greedy or (p.top_p >= 1.0 and p.top_k <= 0 and p.min_p <= 0))
 
 
@@ -335,11 +406,17 @@ class Sampler:
         self._kept = None
         raw = (logits.clone() if batch.max_num_logprobs is not None
                and self.logprobs_mode == "raw_logprobs" else None)
+        saved = (logits.index_select(0, batch.restricted)
+                 if batch.restricted is not None and batch.restricted.numel() else None)
         if batch.logit_bias is not None:
             rows, ids, vals = batch.logit_bias
             logits.index_put_((rows, ids), vals.to(logits.dtype), accumulate=True)
+        if batch.allowed is not None or batch.word_bans:
+            _restrict(logits, batch)
         if bitmask is not None and bitmask.shape[0] > 0:
             apply_bitmask(logits, bitmask, bitmask_rows)
+        if saved is not None:
+            _revive(logits, saved, batch.restricted, bitmask, bitmask_rows)
         if batch.banned:
             _ban(logits, batch.banned)
         if batch.presence is not None or batch.frequency is not None or batch.repetition is not None:

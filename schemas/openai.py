@@ -88,11 +88,7 @@ class ChatMessage(RequestModel):
 _UNSERVED = {
     "use_beam_search": "beam search is not served (sample n candidates; /v1/completions "
                        "also takes best_of)",
-    "allowed_token_ids": "not served; logit_bias with -100 bans tokens, and structured_outputs "
-                         "(choice, regex, grammar) restricts the output",
-    "bad_words": "not served; logit_bias with -100 bans single tokens",
     "logits_processors": "custom logits processors are not served",
-    "return_tokens_as_token_ids": "not served; logprobs name tokens by their text",
     "prompt_embeds": "prompt embeddings are not served; send text or token ids",
     "mm_processor_kwargs": "multimodal inputs are not served",
 }
@@ -130,6 +126,13 @@ class _SamplingFields(RequestModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(
         default=None, json_schema_extra={"items": {"type": "integer", "minimum": 0}})
+    allowed_token_ids: list[int] | None = Field(
+        default=None, json_schema_extra={"items": {"type": "integer", "minimum": 0}, "minItems": 1})
+    bad_words: list[str] | None = Field(default=None, json_schema_extra={
+        "maxItems": 256, "items": {"type": "string", "minLength": 1, "maxLength": 256}})
+    # vLLM's: logprobs name each token "token_id:<id>" (for tokens whose text is not
+    # valid UTF-8 on its own); the text offsets stay those of the decoded text
+    return_tokens_as_token_ids: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

@@ -14,16 +14,37 @@ MAX_SEED = 2**63 - 1         # seeds travel as int64; seed + i for the i-th of n
 MAX_TOKEN_ID = 2**31         # any id past it is no vocabulary's (the engine checks its own)
 MAX_PRIORITY = 2**31         # |priority| at most this: it travels as an int64
 MAX_LOGIT_BIAS = 100.0       # OpenAI: biases in [-100, 100]; -100 bans the token
+MAX_BAD_WORDS = 256          # bad_words per request (each tokenized twice at the gateway)
+MAX_BAD_WORD_CHARS = 256
 
 
 def check_token_ids(params: "SamplingParams", vocab_size: int) -> None:
     """ValueError naming the parameter for a token id outside the vocabulary
     (an id reaching a tensor index would fail the whole batch's step)."""
+    words = [t for seq in params.bad_words_token_ids or () for t in seq]
     for name, ids in (("stop_token_ids", params.stop_token_ids or ()),
-                      ("logit_bias", params.logit_bias or ())):
+                      ("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("bad_words", words)):
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
             raise ParamError(name, f"token id {bad} outside the vocabulary [0, {vocab_size})")
+
+
+def resolve_bad_words(params: "SamplingParams", tokenizer) -> None:
+    """Sets params.bad_words_token_ids from params.bad_words (as vLLM's
+    update_from_tokenizer): each word (leading spaces dropped) as the tokenizer
+    writes it alone and after a space, without special tokens; duplicates once."""
+    if not params.bad_words:
+        params.bad_words_token_ids = None
+        return
+    seqs: list[list[int]] = []
+    for word in params.bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    params.bad_words_token_ids = seqs
 
 
 def check_priority(params: "SamplingParams", scheduling_policy: str) -> None:
@@ -47,6 +68,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     constraint too, as vLLM: `stop_reason` then names the string).
     logit_bias: OpenAI's {token id: bias in [-100, 100]}, added to the logits
     before the grammar mask and sampling; -100 bans the token.
+    allowed_token_ids: only these tokens may be sampled (as vLLM; the end-of-sequence
+    token too only when listed).
+    bad_words: words that must not be generated (as vLLM): each word is tokenized
+    alone and after a space (`resolve_bad_words`, at the gateway, fills
+    bad_words_token_ids); the last token of such a sequence is banned whenever the
+    output so far ends with the rest of it.
+    Where a grammar constrains the output and these restrictions (or logit_bias
+    bans) leave a step no token the grammar allows, the grammar wins for that
+    step: the output still follows it. Sampled tokens only: a grammar's forced
+    continuation (jump-forward) is not taken for a request with such restrictions,
+    so that its tokens are sampled under them.
     """
 
     n: int = 1
@@ -68,6 +100,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words as token sequences: set by the gateway from its tokenizer
+    # (`formwork.gateway.params.resolve_bad_words`), read by the engine
+    bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's per-request `priority` (an argument beside the params there), carried here so
     # that it travels with the request: under scheduling_policy "priority" a lower value is
@@ -86,6 +123,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether some tokens are banned outright (allowed_token_ids, bad_words,
+        a logit_bias of -100): such a request samples every token under its mask."""
+        return bool(self.allowed_token_ids or self.bad_words_token_ids or (
+            self.logit_bias and any(v <= -MAX_LOGIT_BIAS for v in self.logit_bias.values())))
 
     def validate(self) -> None:
         """Raise ValueError naming the offending parameter."""
@@ -138,6 +182,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     bad("logit_bias", f"keys must be token ids in [0, {MAX_TOKEN_ID}), got {t}")
                 if not (math.isfinite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS):
                     bad("logit_bias", f"biases must be in [-100, 100], got {v} for token {t}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must list at least one token id (leave it out to "
+                    "allow every token)")
+            if any(not 0 <= t < MAX_TOKEN_ID for t in self.allowed_token_ids):
+                bad("allowed_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID})")
+            bans = {t for t, v in (self.logit_bias or {}).items() if v <= -MAX_LOGIT_BIAS}
+            if bans.issuperset(self.allowed_token_ids):
+                bad("allowed_token_ids", "logit_bias bans every token allowed_token_ids allows")
+        if self.bad_words is not None:
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                bad("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
+                    bad("bad_words", f"must be words of 1 to {MAX_BAD_WORD_CHARS} characters "
+                        f"(not only spaces), got {w!r}")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
 

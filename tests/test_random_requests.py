@@ -1,6 +1,7 @@
 """Random combinations of request fields against a real `formwork serve` (the tiny
 random-weight model, so that every request finishes in milliseconds): sampling
-fields, stop strings, min_tokens, logit_bias, logprobs, n / best_of, echo,
+fields, stop strings, min_tokens, logit_bias, allowed_token_ids, bad_words, logprobs
+(also named by token id), n / best_of, echo,
 truncation, cache salts, response formats, schemas, tools under every tool_choice,
 regex / choice / grammar constraints, streamed and not. Whatever the mix: never a
 5xx, an OpenAI-shaped error for a 400, a stream that ends with [DONE] and no error
@@ -68,7 +69,10 @@ def random_body(rng: random.Random) -> tuple[bool, dict]:
                            ("include_stop_str_in_output", 0.15, [True]),
                            ("truncate_prompt_tokens", 0.15, [-1, 3, 50]),
                            ("cache_salt", 0.15, ["s1", "s2"]), ("prompt_logprobs", 0.1, [0, 2]),
-                           ("repetition_penalty", 0.2, [1.2])]:
+                           ("repetition_penalty", 0.2, [1.2]),
+                           ("allowed_token_ids", 0.1, [[28, 29, 30, 2], [0, 1, 2, 3, 90]]),
+                           ("bad_words", 0.1, [["the"], ["Paris", "{", "\""]]),
+                           ("return_tokens_as_token_ids", 0.1, [True])]:
         if rng.random() < p:
             b[key] = rng.choice(values)
     if "min_tokens" in b:

@@ -498,7 +498,13 @@ ERROR_CASES = [  # (body, status, param, code, words that must appear in the mes
     (b'{"messages": [', 400, None, "invalid_json", ["JSON"]),
     # vLLM fields formwork does not serve: refused by name, never silently ignored
     (_chat(use_beam_search=True), 400, "use_beam_search", None, ["beam search"]),
-    (_chat(allowed_token_ids=[1, 2]), 400, "allowed_token_ids", None, ["logit_bias"]),
+    (_chat(bad_words=["x"] * 300), 400, "bad_words", None, ["256"]),
+    (_chat(bad_words=["  "]), 400, "bad_words", None, ["not only spaces"]),
+    (_chat(allowed_token_ids=[]), 400, "allowed_token_ids", None, ["at least one"]),
+    (_chat(allowed_token_ids=[5, 1000000]), 400, "allowed_token_ids", None,
+     ["1000000", "vocabulary"]),
+    (_chat(allowed_token_ids=[5, 6], logit_bias={"5": -100, "6": -100}), 400,
+     "allowed_token_ids", None, ["logit_bias bans every token"]),
     (_chat(echo=True), 400, "echo", None, ["/v1/completions"]),
     (_chat(chat_template="{{ messages }}"), 400, "chat_template", None, ["template"]),
     (_chat(truncate_prompt_tokens=0), 400, "truncate_prompt_tokens", None, ["1024"]),
@@ -628,6 +634,85 @@ def test_cache_salt_isolates_prefix_cache_hits(client, model):
     # unsalted: earlier unsalted requests of this module share the template's first block
     first = cached(None)
     assert cached(None) >= max(first + 16, 32)   # ... and this conversation's blocks now
+
+
+def _named_ids(names: list[str]) -> list[int]:
+    assert all(n.startswith("token_id:") for n in names), names
+    return [int(n.removeprefix("token_id:")) for n in names]
+
+
+def _contains(ids: list[int], seq: list[int]) -> bool:
+    return any(ids[i:i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
+
+
+def test_allowed_token_ids_and_tokens_named_by_id(client, model, tokenizer):
+    """vLLM's allowed_token_ids and return_tokens_as_token_ids on both endpoints: every
+    generated token is one of the allowed, logprobs name tokens "token_id:<id>" (their
+    bytes and text offsets stay those of the text)."""
+    eos = tokenizer.eos_token_id
+    allowed = tokenizer(" yes no maybe", add_special_tokens=False).input_ids + [eos]
+    extra = {"allowed_token_ids": allowed, "return_tokens_as_token_ids": True}
+    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=1.0,
+                                       seed=5, logprobs=True, top_logprobs=2, extra_body=extra)
+    content = r.choices[0].logprobs.content
+    ids = _named_ids([t.token for t in content])
+    assert set(ids) <= set(allowed) and len(ids) == r.usage.completion_tokens
+    _named_ids([x.token for t in content for x in t.top_logprobs])
+    assert [bytes(t.bytes).decode() for t in content] == [tokenizer.decode([i]) for i in ids]
+    assert r.choices[0].message.content == tokenizer.decode([i for i in ids if i != eos])
+    r = client.completions.create(model=model, prompt="Is the sea blue? Answer:", max_tokens=6,
+                                  logprobs=1, echo=True, extra_body=extra)
+    lp = r.choices[0].logprobs
+    ids = _named_ids(lp.tokens)
+    assert set(ids[-r.usage.completion_tokens:]) <= set(allowed)
+    assert lp.text_offset == [len(tokenizer.decode(ids[:i])) for i in range(len(ids))]
+    free = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0,
+                                          logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+    assert not set(_named_ids([t.token for t in free.choices[0].logprobs.content])) <= set(allowed)
+
+
+def test_bad_words_are_not_generated(client, model, tokenizer):
+    """vLLM's bad_words: a word of the greedy answer, banned, no longer appears as the
+    tokenizer writes it (alone or after a space)."""
+    def answer(**extra):
+        r = client.chat.completions.create(
+            model=model, messages=ASK, max_tokens=16, temperature=0, logprobs=True,
+            extra_body={"return_tokens_as_token_ids": True, **extra})
+        return _named_ids([t.token for t in r.choices[0].logprobs.content])
+
+    free = answer()
+    seqs = {}
+    for word in re.findall(r"[A-Za-z]{3,}", tokenizer.decode(free)):
+        seqs = [tokenizer(t, add_special_tokens=False).input_ids for t in (word, " " + word)]
+        if any(_contains(free, s) for s in seqs):
+            break
+    assert any(_contains(free, s) for s in seqs), tokenizer.decode(free)
+    banned = answer(bad_words=[word])
+    assert not any(_contains(banned, s) for s in seqs), (word, tokenizer.decode(banned))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bans_against_a_schema_leave_the_output_valid(server, tokenizer, stream):
+    """A logit_bias banning every token that opens a JSON object, beside a schema whose
+    output must open with one: the grammar wins, the output validates."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    opens = {str(i): -100 for i in range(len(tokenizer))
+             if tokenizer.decode([i]).lstrip().startswith("{")}
+    body = _chat(max_tokens=40, logit_bias=opens, stream=stream, response_format={
+        "type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}})
+    r = _post(server, body)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        assert all("error" not in e for e in events), events
+        text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    else:
+        text = r.json()["choices"][0]["message"]["content"]
+        finish = [r.json()["choices"][0]["finish_reason"]]
+    assert finish == ["stop"], (finish, text)
+    jsonschema.validate(json.loads(text), schema)
 
 
 @pytest.mark.parametrize("body,status,param,code,words", ERROR_CASES)
