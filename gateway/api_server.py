@@ -115,7 +115,8 @@ def _log_ready(config: EngineConfig, names: tuple[str, ...], engine, info, t0: f
 
 
 def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None,
-              engine_restarts: dict | None = None, chat_template: str | None = None):
+              engine_restarts: dict | None = None, chat_template: str | None = None,
+              reasoning_parser: str | None = None):
     """The app's lifespan: start the engine and the tokenizer, serve, shut down."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -128,7 +129,8 @@ def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None,
                                        max_model_len=info.max_model_len,
                                        metrics=Metrics(names[0]), api_key=api_key,
                                        max_token_chars=max_token_chars, tokenizers=tokenizers,
-                                       scheduling_policy=config.scheduling_policy)
+                                       scheduling_policy=config.scheduling_policy,
+                                       reasoning_parser=reasoning_parser)
         try:
             yield
         finally:
@@ -144,13 +146,16 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
               max_request_body_mb: float = DEFAULT_MAX_BODY_MB,
               admission: Admission | None = None,
               engine_restarts: dict | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """`admission`: the bound on generation requests in flight (default: none);
     `engine_restarts`: max_restarts / restart_backoff_s of the engine client;
-    `chat_template`: a Jinja chat template in place of the tokenizer's."""
+    `chat_template`: a Jinja chat template in place of the tokenizer's;
+    `reasoning_parser`: vLLM's --reasoning-parser (gateway/reasoning.py)."""
     names = tuple(served_model_names or [config.model or DEFAULT_MODEL])
     app = FastAPI(title="formwork", version=version(),
-                  lifespan=_lifespan(config, names, api_key, engine_restarts, chat_template))
+                  lifespan=_lifespan(config, names, api_key, engine_restarts, chat_template,
+                                     reasoning_parser))
     app.state.admission = admission or Admission(None)
     app.state.responses = ResponseStore()      # store/previous_response_id (last 1000)
     install_error_handlers(app)
@@ -167,13 +172,15 @@ def run_server(config: EngineConfig, *, host: str, port: int,
                log_level: str = "info", max_request_body_mb: float = DEFAULT_MAX_BODY_MB,
                max_waiting_requests: int = DEFAULT_MAX_WAITING,
                drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-               engine_restarts: dict | None = None, chat_template: str | None = None) -> int:
+               engine_restarts: dict | None = None, chat_template: str | None = None,
+               reasoning_parser: str | None = None) -> int:
     """Serve until SIGTERM (drained) or SIGINT; the exit status."""
     admission = Admission(max_generating(config.max_num_seqs * config.data_parallel_size,
                                          max_waiting_requests))
     app = build_app(config, served_model_names=served_model_names, api_key=api_key,
                     max_request_body_mb=max_request_body_mb, admission=admission,
-                    engine_restarts=engine_restarts, chat_template=chat_template)
+                    engine_restarts=engine_restarts, chat_template=chat_template,
+                    reasoning_parser=reasoning_parser)
     server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
                        timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S),

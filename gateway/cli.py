@@ -12,6 +12,7 @@ import pathlib
 import sys
 
 from formwork.gateway.engine_args import FLAGS, add_engine_arguments, engine_config
+from formwork.gateway.reasoning import PARSERS
 from formwork.gateway.version import version
 
 
@@ -71,6 +72,10 @@ def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
                    action="store_false", help="= --no-prefix-caching")
     g.add_argument("--tool-call-parser", choices=("hermes",), default=None,
                    help="tool calls are Hermes-style <tool_call> JSON, the only parser")
+    g.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                   help="a thinking model's <think>...</think> text goes to the chat "
+                        "message's `reasoning` (and `reasoning_content`), the rest to "
+                        "`content` (unconstrained requests and tool_choice auto)")
     g.add_argument("--guided-decoding-backend", default=None,
                    choices=FLAGS["structured_backend"].choices,
                    help="= --structured-outputs-backend")
@@ -118,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
                       drain_timeout_s=args.drain_timeout,
                       engine_restarts=dict(max_restarts=args.max_engine_restarts,
                                            restart_backoff_s=args.engine_restart_backoff),
-                      chat_template=args.chat_template)
+                      chat_template=args.chat_template, reasoning_parser=args.reasoning_parser)
 
 
 def load_chat_template(spec: str) -> str:

@@ -33,6 +33,7 @@ class ServerState:
     # chat templating / tokenizing off the event loop; None: inline (unit tests' apps)
     tokenizers: TokenizerPool | None = None
     scheduling_policy: str = "fcfs"     # the engines' (a request's priority needs "priority")
+    reasoning_parser: str | None = None   # vLLM's --reasoning-parser (gateway/reasoning.py)
 
     async def run_tokenizer(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """`fn(tokenizer, *args)` on a tokenizer worker thread (its own tokenizer copy);

@@ -16,6 +16,7 @@ from formwork.gateway.limits import check_text_fits, truncated_prompt
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_check import Verdict, check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
+from formwork.gateway.reasoning import ReasoningSplitter, split_reasoning
 from formwork.gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens,
                             explicit_prompt_logprobs, sampling_params, structured_from_request,
                             validate_constraint)
@@ -41,6 +42,7 @@ class PreparedChat:
     mode: ToolMode
     source: str | None       # request field of the output constraint, if any
     token_ids_as_names: bool = False    # return_tokens_as_token_ids
+    reasoning: str | None = None        # the reasoning parser, where it applies
 
 
 def _texts(content) -> list[str]:
@@ -83,8 +85,13 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                              rename={"max_tokens": max_param, "logprobs": "top_logprobs"},
                              vocab_size=len(state.tokenizer),
                              scheduling_policy=state.scheduling_policy, tokenizer=state.tokenizer)
+    # thinking is parsed where the output may start with it: no constraint, or tools
+    # under tool_choice auto (free text until a call); a constrained output starts at once
+    thinks = state.reasoning_parser is not None and mode.kind in ("none", "auto") and (
+        structured is None or structured_from_request(req)[0] is None)
     return PreparedChat(model, prompt, ids, params, mode, source,
-                        req.return_tokens_as_token_ids)
+                        req.return_tokens_as_token_ids,
+                        state.reasoning_parser if thinks else None)
 
 
 def chat_logprobs_obj(lps: list[TokenLogprobs] | None, text: TokenText) -> ChoiceLogprobs | None:
@@ -119,11 +126,17 @@ def output_verdict(prep: PreparedChat, c: CompletionOutput, metrics: Metrics) ->
     return verdict
 
 
-def _choice(c: CompletionOutput, mode: ToolMode, text: TokenText,
+def _choice(c: CompletionOutput, prep: PreparedChat, text: TokenText,
             verdict: Verdict | None = None) -> ChatChoice:
-    content, calls = parse_tool_output(mode, c.text)
+    mode, thinking, body = prep.mode, None, c.text
+    if prep.reasoning is not None:
+        thinking, body = split_reasoning(prep.reasoning, prep.prompt, c.text)
+    content, calls = parse_tool_output(mode, body or "")
+    if body is None and not calls:
+        content = None
     return ChatChoice(index=c.index,
-                      message=ResponseMessage(content=content, tool_calls=calls or None),
+                      message=ResponseMessage(content=content, tool_calls=calls or None,
+                                              reasoning=thinking, reasoning_content=thinking),
                       logprobs=chat_logprobs_obj(c.logprobs, text),
                       finish_reason=finish_reason_with_tools(c.finish_reason, len(calls), mode,
                                                              c.stop_reason),
@@ -145,7 +158,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     except APIError as e:
         raise blame(e, prep.source) from None
     text = TokenText(state.tokenizer, prep.token_ids_as_names)
-    choices = [_choice(c, prep.mode, text, output_verdict(prep, c, state.metrics))
+    choices = [_choice(c, prep, text, output_verdict(prep, c, state.metrics))
                for c in final.outputs]
     resp = ChatCompletionResponse(id=request_id, model=prep.model, choices=choices,
                                   usage=_usage(len(prep.prompt_ids), final),
@@ -175,6 +188,8 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
     created, model = int(time.time()), prep.model
     text = TokenText(state.tokenizer, prep.token_ids_as_names)
     parsers = [ToolStreamParser(prep.mode) for _ in range(prep.params.n)]
+    thinkers = [ReasoningSplitter(prep.reasoning, prep.prompt) if prep.reasoning else None
+                for _ in range(prep.params.n)]
     for i in range(prep.params.n):
         yield _chunk(request_id, created, model, ChatStreamChoice(
             index=i, delta=DeltaMessage(role="assistant", content="")), include_usage)
@@ -190,7 +205,8 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
                         continue
                     verdict = (output_verdict(prep, c, state.metrics)
                                if c.finish_reason is not None else None)
-                    for piece in _choice_chunks(c, parsers[c.index], text, verdict):
+                    for piece in _choice_chunks(c, parsers[c.index], text, verdict,
+                                                thinkers[c.index]):
                         yield _chunk(request_id, created, model, piece, include_usage)
                     sent_final[c.index] = c.finish_reason is not None
     except APIError as e:
@@ -203,19 +219,27 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
 
 
 def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser, text: TokenText,
-                   verdict: Verdict | None = None) -> list[ChatStreamChoice]:
-    """The chunks of one completion's delta: content / tool calls, then the finish chunk
-    (carrying the `formwork` verdict of a constrained choice)."""
-    content, calls = parser.feed(c.delta_text)
+                   verdict: Verdict | None = None,
+                   thinker: ReasoningSplitter | None = None) -> list[ChatStreamChoice]:
+    """The chunks of one completion's delta: reasoning / content / tool calls, then the
+    finish chunk (carrying the `formwork` verdict of a constrained choice)."""
+    thinking, body = "", c.delta_text
+    if thinker is not None:
+        thinking, body = thinker.feed(body)
+        if c.finish_reason is not None:
+            more, tail = thinker.finish()
+            thinking, body = thinking + more, body + tail
+    content, calls = parser.feed(body)
     if c.finish_reason is not None:
         tail_content, tail_calls = parser.finish()
         content = (content or "") + (tail_content or "") or None
         calls = calls + tail_calls
     pieces = []
     logprobs = chat_logprobs_obj(c.delta_logprobs, text)
-    if content or calls or logprobs is not None:
+    if content or calls or thinking or logprobs is not None:
         pieces.append(ChatStreamChoice(index=c.index, logprobs=logprobs, delta=DeltaMessage(
-            content=content, tool_calls=calls or None)))
+            content=content or None, reasoning=thinking or None,
+            reasoning_content=thinking or None, tool_calls=calls or None)))
     if c.finish_reason is not None:
         reason = finish_reason_with_tools(c.finish_reason, parser.num_calls, parser.mode,
                                           c.stop_reason)

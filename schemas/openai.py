@@ -233,12 +233,16 @@ class ResponseMessage(ResponseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None     # absent from the JSON when no tool was called
+    # under --reasoning-parser: the thinking text (both of vLLM's names; absent otherwise)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_absent_tool_calls(self, handler):
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for name in ("tool_calls", "reasoning", "reasoning_content"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
 
@@ -294,6 +298,8 @@ class DeltaToolCall(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -127,18 +127,21 @@ def test_a_vllm_serve_command_line_is_taken():
     argv = ("serve --model /m --trust-remote-code --enable-auto-tool-choice --tool-call-parser "
             "hermes --guided-decoding-backend xgrammar --no-enable-prefix-caching --swap-space 4 "
             "--kv-cache-dtype auto --disable-log-requests --disable-log-stats "
-            "--enable-chunked-prefill --uvicorn-log-level trace --max-model-len 2048").split()
+            "--enable-chunked-prefill --uvicorn-log-level trace --max-model-len 2048 "
+            "--reasoning-parser deepseek_r1").split()
     args = build_parser(argv).parse_args(argv)
     apply_vllm_arguments(args)
     config = engine_config(args)
     assert (config.model, config.structured_backend, config.enable_prefix_caching,
             config.max_model_len, args.log_level) == ("/m", "xgrammar", False, 2048, "debug")
+    assert args.reasoning_parser == "deepseek_r1"
     same = build_parser(["serve"]).parse_args(["serve", "/m", "--model", "/m"])
     apply_vllm_arguments(same)
     assert same.model == "/m"
     clash = build_parser(["serve"]).parse_args(["serve", "/a", "--model", "/b"])
     with pytest.raises(ValueError, match="two models"):
         apply_vllm_arguments(clash)
-    for bad in (["--tool-call-parser", "llama3_json"], ["--kv-cache-dtype", "fp8"]):
+    for bad in (["--tool-call-parser", "llama3_json"], ["--kv-cache-dtype", "fp8"],
+                ["--reasoning-parser", "granite"]):
         with pytest.raises(SystemExit):
             build_parser(["serve"]).parse_args(["serve", *bad])

@@ -102,7 +102,10 @@ def gone(pid: int, timeout_s: float = 30) -> bool:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--max-model-len", "1024", "--max-num-seqs", "64", "--kv-cache-memory-gb", "1")
+    # the qwen3 reasoning parser reads an output without <think> as content: every other
+    # test here sees plain outputs unchanged; the reasoning test below opens a <think>
+    s = Server("--max-model-len", "1024", "--max-num-seqs", "64", "--kv-cache-memory-gb", "1",
+               "--reasoning-parser", "qwen3")
     yield s
     s.stop()
 
@@ -713,6 +716,50 @@ def test_bans_against_a_schema_leave_the_output_valid(server, tokenizer, stream)
         finish = [r.json()["choices"][0]["finish_reason"]]
     assert finish == ["stop"], (finish, text)
     jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("opened,tools", [("<think>", False), ("<think>The user", False),
+                                          ("<think>", True)])
+def test_reasoning_parser_splits_thinking_from_content(server, client, model, tokenizer, opened,
+                                                       tools):
+    """`--reasoning-parser qwen3` on a chat whose assistant turn opens a <think> (the
+    prompt leaves it open, as thinking models' templates do): the thinking is in
+    `reasoning` / `reasoning_content`, the rest in `content`, exactly as the parser
+    splits the generated text (its token ids from the logprobs), streamed or not.
+    Without an open <think> the parser leaves the output alone (every other test of
+    this module)."""
+    from formwork.gateway.reasoning import split_reasoning
+    msgs = [{"role": "user", "content": "Say: <think>ok</think>Yes"},
+            {"role": "assistant", "content": opened}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    body = dict(model=model, messages=msgs, max_tokens=24, temperature=0, logprobs=True,
+                extra_body={**extra, "return_tokens_as_token_ids": True})
+    if tools:     # tool_choice auto: the thinking is split off before calls are parsed
+        body.update(tools=TOOLS, tool_choice="auto")
+    ids = httpx.post(f"{server.url}/tokenize", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": model, "messages": msgs, **extra,
+                           **({"tools": TOOLS} if tools else {})}, timeout=30).json()["tokens"]
+    prompt = tokenizer.decode(ids)
+    assert prompt.rstrip().endswith(opened)
+
+    def expected(token_names: list[str]):
+        raw = tokenizer.decode(_named_ids(token_names), skip_special_tokens=True)
+        split = split_reasoning("qwen3", prompt, raw)
+        assert split[0] is not None, raw          # the open <think> makes it reasoning
+        return split
+
+    r = client.chat.completions.create(**body)
+    m = r.choices[0].message
+    assert (m.reasoning, m.content) == expected([t.token for t in r.choices[0].logprobs.content])
+    assert m.model_extra["reasoning_content"] == m.reasoning
+    reasoning, content, names = [], [], []
+    for chunk in client.chat.completions.create(stream=True, **body):
+        for c in chunk.choices:
+            reasoning.append(getattr(c.delta, "reasoning", None) or "")
+            assert (getattr(c.delta, "reasoning_content", None) or "") == reasoning[-1]
+            content.append(c.delta.content or "")
+            names += [t.token for t in (c.logprobs.content if c.logprobs else None) or ()]
+    assert ("".join(reasoning) or None, "".join(content) or None) == expected(names)
 
 
 @pytest.mark.parametrize("body,status,param,code,words", ERROR_CASES)
