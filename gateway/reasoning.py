@@ -37,6 +37,12 @@ def _prompt_state(prompt: str) -> str | None:
     return None
 
 
+def thinks_first(prompt: str) -> bool:
+    """Whether a constrained output may think before its constraint: not when the
+    prompt closed the thinking (enable_thinking false)."""
+    return _prompt_state(prompt) != "content"
+
+
 def _partial(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):

@@ -16,7 +16,7 @@ from formwork.gateway.limits import check_text_fits, truncated_prompt
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_check import Verdict, check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
-from formwork.gateway.reasoning import ReasoningSplitter, split_reasoning
+from formwork.gateway.reasoning import END, ReasoningSplitter, split_reasoning, thinks_first
 from formwork.gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens,
                             explicit_prompt_logprobs, sampling_params, structured_from_request,
                             validate_constraint)
@@ -31,6 +31,7 @@ from formwork.schemas.openai import (ChatChoice, ChatCompletionChunk, ChatComple
                             ResponseMessage, TokenLogprob, TopLogprob, UsageInfo)
 from formwork.schemas.openai_base import random_id
 from formwork.schemas.sampling import SamplingParams
+from formwork.schemas.structured import reasoning_end_id
 
 
 @dataclass(slots=True)
@@ -85,13 +86,30 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                              rename={"max_tokens": max_param, "logprobs": "top_logprobs"},
                              vocab_size=len(state.tokenizer),
                              scheduling_policy=state.scheduling_policy, tokenizer=state.tokenizer)
-    # thinking is parsed where the output may start with it: no constraint, or tools
-    # under tool_choice auto (free text until a call); a constrained output starts at once
-    thinks = state.reasoning_parser is not None and mode.kind in ("none", "auto") and (
-        structured is None or structured_from_request(req)[0] is None)
     return PreparedChat(model, prompt, ids, params, mode, source,
                         req.return_tokens_as_token_ids,
-                        state.reasoning_parser if thinks else None)
+                        _reasoning(state, req, mode, prompt, params))
+
+
+def _reasoning(state: ServerState, req: ChatCompletionRequest, mode: ToolMode, prompt: str,
+               params: SamplingParams) -> str | None:
+    """The reasoning parser that splits this request's output, if any. Free text (no
+    constraint, or tools under tool_choice auto) may start with thinking: the server's
+    parser. A constrained output thinks first, then follows its constraint after the
+    end tag, where the model writes that tag as one token (Qwen3, DeepSeek-R1:
+    grammar/reasoning_matcher.py) and the prompt did not close the thinking: all it
+    writes before the tag is thinking (deepseek_r1's rule, whatever the parser); else
+    it is constrained from its first token and does not think. Sets the constraint's
+    reasoning_end in place."""
+    parser, so = state.reasoning_parser, params.structured_outputs
+    if parser is None:
+        return None
+    if so is None or (mode.kind == "auto" and structured_from_request(req)[0] is None):
+        return parser
+    if reasoning_end_id(state.tokenizer, END) is None or not thinks_first(prompt):
+        return None
+    so.reasoning_end = END
+    return "deepseek_r1"
 
 
 def chat_logprobs_obj(lps: list[TokenLogprobs] | None, text: TokenText) -> ChoiceLogprobs | None:
@@ -118,9 +136,12 @@ def _usage(prompt_len: int, ro: RequestOutput) -> UsageInfo:
 
 
 def output_verdict(prep: PreparedChat, c: CompletionOutput, metrics: Metrics) -> Verdict | None:
-    """Re-validates a finished choice (gateway/output_check.py) and counts the result."""
-    verdict = check_output(prep.params.structured_outputs, prep.mode, c.text, c.finish_reason,
-                           c.stop_reason)
+    """Re-validates a finished choice (gateway/output_check.py) and counts the result;
+    a constraint that applied after the thinking checks what follows it."""
+    so, text = prep.params.structured_outputs, c.text
+    if so is not None and so.reasoning_end is not None and prep.reasoning is not None:
+        text = split_reasoning(prep.reasoning, prep.prompt, text)[1] or ""
+    verdict = check_output(so, prep.mode, text, c.finish_reason, c.stop_reason)
     if verdict is not None:
         metrics.observe_constrained(verdict.result)
     return verdict

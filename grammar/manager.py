@@ -24,10 +24,13 @@ from formwork.grammar.compile_pool import compile_pool
 from formwork.grammar.jump_forward import ForcedTextEncoder, forced_tokens
 from formwork.grammar.llguidance_backend import LLGuidanceBackend
 from formwork.grammar.outlines_backend import OutlinesBackend
+from formwork.grammar.reasoning_matcher import ThinkFirstMatcher, thinking_mask
 from formwork.grammar.selection import choose_backend
 from formwork.grammar.vocab import TokenVocab
 from formwork.grammar.xgrammar_backend import XGrammarBackend
-from formwork.schemas.structured import GrammarStats, GrammarStatus, StructuredOutputsParams
+from formwork.schemas.errors import ParamError
+from formwork.schemas.structured import (GrammarStats, GrammarStatus, StructuredOutputsParams,
+                                         reasoning_end_id)
 
 @dataclass(slots=True)
 class _RequestGrammar:
@@ -38,6 +41,9 @@ class _RequestGrammar:
     matcher: Matcher | None = None
     backend: GrammarBackend | None = None
     budget: Budget | None = None  # None: not budget-aware
+    # reasoning_end: (the tag's token id, the thinking mask) when the constraint
+    # applies after the model's thinking (grammar/reasoning_matcher.py)
+    think: tuple[int, torch.Tensor] | None = None
 
 
 def build_backend(name: str, vocab: TokenVocab, tokenizer, *, num_threads: int = 2,
@@ -80,6 +86,7 @@ class StructuredOutputManager:
         self._forced = ForcedTextEncoder(tokenizer, self.vocab)   # engine thread only
         self._closing = ClosingSearch(self.vocab, vocab_size, self.vocab.eos_token_id,
                                       self._forced)
+        self._thinking: dict[str, tuple[int, torch.Tensor] | None] = {}   # by tag
 
     # --- compilation ---------------------------------------------------------------
     def submit(self, request_id: str, params: StructuredOutputsParams,
@@ -92,8 +99,10 @@ class StructuredOutputManager:
         self._requests[request_id] = entry
         try:
             key = params.cache_key()
-            if budget is not None and self._budget_on(params):
-                entry.budget = Budget(budget)
+            if params.reasoning_end is not None:
+                entry.think = self._think(params.reasoning_end)
+            elif budget is not None and self._budget_on(params):
+                entry.budget = Budget(budget)     # (a thinking request is never closed early)
         except ValueError as err:
             entry.status, entry.error = "failed", str(err)
             return
@@ -114,6 +123,18 @@ class StructuredOutputManager:
         if is_new:   # outside the lock: a finished future runs the callback right here
             future.add_done_callback(lambda f, key=key: self._on_compiled(key, f))
         entry.future = future
+
+    def _think(self, tag: str) -> tuple[int, torch.Tensor]:
+        """The tag's token id and the thinking mask (built once per tag)."""
+        if tag not in self._thinking:
+            end = reasoning_end_id(self._tokenizer, tag)
+            self._thinking[tag] = (None if end is None or end >= self.vocab_size else
+                                   (end, thinking_mask(self.vocab, self._tokenizer, end)))
+        found = self._thinking[tag]
+        if found is None:
+            raise ParamError("structured_outputs.reasoning_end",
+                             f"{tag!r} is not one token of this model's vocabulary")
+        return found
 
     def _budget_on(self, params: StructuredOutputsParams) -> bool:
         """Per request `budget_aware`, else the server's default for JSON schemas."""
@@ -165,7 +186,10 @@ class StructuredOutputManager:
 
     def _set_ready(self, entry: _RequestGrammar, compiled: CompiledGrammar,
                    backend: GrammarBackend) -> None:
-        entry.status, entry.backend, entry.matcher = "ready", backend, compiled.new_matcher()
+        matcher = compiled.new_matcher()
+        if entry.think is not None:
+            matcher = ThinkFirstMatcher(matcher, *entry.think)
+        entry.status, entry.backend, entry.matcher = "ready", backend, matcher
 
     def status(self, request_id: str) -> GrammarStatus:
         """"pending" until compiled; "failed" on error or after compile_timeout_s."""
@@ -236,7 +260,7 @@ class StructuredOutputManager:
             self._bitmask = allocate_bitmask(max(n, 2 * self._bitmask.shape[0]), self.vocab_size)
         out = self._bitmask[:n]
         groups: dict[str, tuple[GrammarBackend, list[Matcher], list[int]]] = {}
-        steered = False
+        filled = False   # a row written here, not by a backend
         for row, rid in enumerate(request_ids):
             if rid not in self._requests:
                 out[row].fill_(-1)
@@ -245,8 +269,14 @@ class StructuredOutputManager:
             if entry.budget is not None and \
                     budget_policy.steer(self._closing, entry.budget, matcher, out, row):
                 self._stats.budget_steered_steps += 1   # narrowed to one token: no fill
-                steered = True
+                filled = True
                 continue
+            if isinstance(matcher, ThinkFirstMatcher):
+                if matcher.thinking:          # the thinking mask: no backend fill
+                    matcher.fill_bitmask(out, row)
+                    filled = True
+                    continue
+                matcher = matcher.inner
             backend = entry.backend
             assert backend is not None
             group = groups.setdefault(backend.name, (backend, [], []))
@@ -256,7 +286,7 @@ class StructuredOutputManager:
             backend.fill_bitmasks(matchers, out, rows)
         self._stats.fill_calls += 1
         self._stats.fill_seconds += time.perf_counter() - start
-        return out if groups or steered else None
+        return out if groups or filled else None
 
     # --- deferred masks (engine thread; EngineCore's step, gpu/sampler.py) -----------
     def can_defer(self, request_id: str) -> bool:

@@ -68,6 +68,12 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     completes it (grammar/budget.py); finish_reason stays "length".
                     None (default): the server's default, on for JSON schemas
                     (`--no-budget-aware` turns it off). Not part of the grammar.
+    reasoning_end:  a reasoning model's end-of-thinking tag (e.g. "</think>"), one
+                    token of the vocabulary: the output is free text (never the
+                    end-of-sequence token) up to that token, and the constraint
+                    applies to what follows it (grammar/reasoning_matcher.py). Set
+                    by `formwork serve --reasoning-parser`; None: constrained from
+                    the first token. Not part of the grammar.
     disable_any_whitespace, disable_additional_properties, disable_fallback:
                     vLLM's spellings, taken so that vLLM code runs unchanged:
                     True sets whitespace="compact" / additional_properties=
@@ -88,6 +94,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     backend: str = "auto"
     additional_properties: Literal["declared", "schema"] = "declared"
     budget_aware: bool | None = None
+    reasoning_end: str | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     disable_fallback: bool = False
@@ -128,6 +135,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ParamError("structured_outputs.whitespace", "must be 'compact' or 'flexible'")
         if self.additional_properties not in ("declared", "schema"):
             raise ParamError("structured_outputs.additional_properties", "must be 'declared' or 'schema'")
+        if self.reasoning_end is not None and not (
+                isinstance(self.reasoning_end, str) and self.reasoning_end.strip()):
+            raise ParamError("structured_outputs.reasoning_end", "must be a non-empty tag")
         if not 0 <= self.max_whitespace <= 64:
             raise ParamError("structured_outputs.max_whitespace", "must be in [0, 64]")
         if self.whitespace_pattern is not None:
@@ -154,6 +164,13 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             [kind, value, self.whitespace, self.max_whitespace, self.backend,
              self.additional_properties, self.whitespace_pattern],
             sort_keys=True, separators=(",", ":"))
+
+
+def reasoning_end_id(tokenizer, tag: str) -> int | None:
+    """The id of `reasoning_end` when the tokenizer writes it as one token, else None
+    (the gateway asks before setting it, the grammar manager to build the matcher)."""
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 # What a whitespace pattern may be made of: JSON's four whitespace characters
