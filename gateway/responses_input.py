@@ -92,6 +92,8 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict]:
             messages.append(_message(item, i))
         elif kind == "function_call":
             _add_call(messages, item, i)
+        elif kind == "reasoning":
+            continue    # an earlier turn's thinking: chat templates leave it out of history
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
@@ -99,7 +101,8 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict]:
                                               f"input[{i}].output")})
         else:
             raise bad_request(f"input[{i}].type: {kind!r} items are not supported; this server "
-                              "takes message, function_call and function_call_output items",
+                              "takes message, function_call, function_call_output and "
+                              "reasoning items", 
                               param=f"input[{i}].type")
     if not messages:
         raise bad_request("input: at least one item is required", param="input")

@@ -3,7 +3,9 @@
 The request becomes a chat request (gateway/responses_input.py), `prepare_chat`
 validates it and builds the prompt, SamplingParams and output constraint as for
 /v1/chat/completions; the output is shaped as a `response` object: a `message`
-item (one output_text part) and/or `function_call` items. A response cut by
+item (one output_text part) and/or `function_call` items, after a `reasoning`
+item (one reasoning_text part) when a `--reasoning-parser` split off the model's
+thinking. A response cut by
 max_output_tokens is "incomplete" (incomplete_details.reason "max_output_tokens").
 Streaming sends OpenAI's typed events (`event: <type>` + data with `type` and
 `sequence_number`), ending with response.completed (response.incomplete when cut).
@@ -20,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from formwork.gateway.errors import APIError
 from formwork.gateway.metrics import RequestTimer
 from formwork.gateway.output_processor import RequestOutput
+from formwork.gateway.reasoning import ReasoningSplitter, split_reasoning
 from formwork.gateway.responses_input import (chat_request, check_supported, input_messages,
                                               responses_error)
 from formwork.gateway.responses_store import ResponseStore, StoredResponse
@@ -29,8 +32,8 @@ from formwork.gateway.serving_chat import PreparedChat, prepare_chat
 from formwork.gateway.tool_parser import ToolStreamParser, parse_tool_output
 from formwork.schemas.openai import ToolCall
 from formwork.schemas.responses import (FunctionCallItem, IncompleteDetails, OutputItem,
-                                        OutputMessage, OutputText, ResponseObject, ResponsesRequest,
-                                        ResponseUsage)
+                                        OutputMessage, OutputText, ReasoningItem, ReasoningText,
+                                        ResponseObject, ResponsesRequest, ResponseUsage)
 
 
 def _base(req: ResponsesRequest, model: str) -> ResponseObject:
@@ -59,10 +62,14 @@ def _finish(resp: ResponseObject, items: list[OutputItem], finish_reason: str | 
         "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None})
 
 
-def output_items(content: str | None, calls: list[ToolCall], cut: bool) -> list[OutputItem]:
-    """A message item for the text (also an empty one when nothing else came), then one
-    function_call item per call; when `cut`, the last item is "incomplete" (as streamed)."""
+def output_items(content: str | None, calls: list[ToolCall], cut: bool,
+                 reasoning: str | None = None) -> list[OutputItem]:
+    """A reasoning item for the thinking (if any), a message item for the text (also an
+    empty one when nothing else came), then one function_call item per call; when
+    `cut`, the last item is "incomplete" (as streamed)."""
     items: list[OutputItem] = []
+    if reasoning:
+        items.append(ReasoningItem(content=[ReasoningText(text=reasoning)]))
     if content or not calls:
         items.append(OutputMessage(content=[OutputText(text=content or "")]))
     items += [FunctionCallItem(call_id=c.id, name=c.function.name, arguments=c.function.arguments)
@@ -108,8 +115,11 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
     except APIError as e:
         raise responses_error(blame(e, prep.source)) from None
     c = final.outputs[0]
-    content, calls = parse_tool_output(prep.mode, c.text)
-    items = output_items(content, calls, c.finish_reason == "length")
+    thinking, body = None, c.text
+    if prep.reasoning is not None:
+        thinking, body = split_reasoning(prep.reasoning, prep.prompt, c.text)
+    content, calls = parse_tool_output(prep.mode, body or "")
+    items = output_items(content, calls, c.finish_reason == "length", thinking)
     resp = _finish(base, items, c.finish_reason, _usage(len(prep.prompt_ids), final))
     _save(store, req, conversation, resp)
     return JSONResponse(resp.model_dump(mode="json"))
@@ -133,13 +143,14 @@ class EventWriter:
         self.items.append(item)
         self.open = item
         shown = item.model_dump(mode="json") | {"status": "in_progress"}
-        if isinstance(item, OutputMessage):
+        if isinstance(item, (OutputMessage, ReasoningItem)):
             shown["content"] = []
         out = [self.event("response.output_item.added", output_index=len(self.items) - 1,
                           item=shown)]
-        if isinstance(item, OutputMessage):
+        if isinstance(item, (OutputMessage, ReasoningItem)):
+            part = OutputText() if isinstance(item, OutputMessage) else ReasoningText()
             out.append(self.event("response.content_part.added", **self._where(),
-                                  part=OutputText().model_dump(mode="json")))
+                                  part=part.model_dump(mode="json")))
         return out
 
     def _where(self) -> dict:
@@ -152,6 +163,13 @@ class EventWriter:
         self.open.content[0].text += delta
         return out + [self.event("response.output_text.delta", **self._where(), delta=delta,
                                  logprobs=[])]
+
+    def reasoning(self, delta: str) -> list[str]:
+        out = [] if isinstance(self.open, ReasoningItem) else self.close("completed")
+        if not isinstance(self.open, ReasoningItem):
+            out += self._added(ReasoningItem(content=[ReasoningText()]))
+        self.open.content[0].text += delta
+        return out + [self.event("response.reasoning_text.delta", **self._where(), delta=delta)]
 
     def call(self, call_id: str, name: str) -> list[str]:
         return self.close("completed") + self._added(FunctionCallItem(call_id=call_id, name=name))
@@ -168,10 +186,14 @@ class EventWriter:
         if item is None:
             return out
         item.status = status
-        if isinstance(item, OutputMessage):
+        if isinstance(item, (OutputMessage, ReasoningItem)):
             part = item.content[0]
-            out.append(self.event("response.output_text.done", **self._where(), text=part.text,
-                                  logprobs=[]))
+            if isinstance(item, OutputMessage):
+                out.append(self.event("response.output_text.done", **self._where(),
+                                      text=part.text, logprobs=[]))
+            else:
+                out.append(self.event("response.reasoning_text.done", **self._where(),
+                                      text=part.text))
             out.append(self.event("response.content_part.done", **self._where(),
                                   part=part.model_dump(mode="json")))
         else:
@@ -184,8 +206,11 @@ class EventWriter:
         return out
 
     def ensure_output(self) -> list[str]:
-        """An empty message item when nothing was generated (as the non-streamed output)."""
-        return [] if self.items else self._added(OutputMessage(content=[OutputText()]))
+        """An empty message item when no message or call was generated (as the
+        non-streamed output)."""
+        if any(not isinstance(i, ReasoningItem) for i in self.items):
+            return []
+        return self.close("completed") + self._added(OutputMessage(content=[OutputText()]))
 
     def feed(self, content: str | None, calls) -> list[str]:
         """One parsed delta (ToolStreamParser's content and DeltaToolCalls) as events."""
@@ -206,12 +231,21 @@ async def _stream(state: ServerState, store: ResponseStore, req: ResponsesReques
     yield w.event("response.created", response=shown)
     yield w.event("response.in_progress", response=shown)
     parser, last = ToolStreamParser(prep.mode), None
+    thinker = ReasoningSplitter(prep.reasoning, prep.prompt) if prep.reasoning else None
     try:
         async with contextlib.aclosing(stream_outputs(
                 state, base.id, prep.prompt, prep.prompt_ids, prep.params, timer)) as outs:
             async for ro in outs:
                 last, c = ro, ro.outputs[0]
-                for e in w.feed(*parser.feed(c.delta_text)):
+                body = c.delta_text
+                if thinker is not None:
+                    thinking, body = thinker.feed(body)
+                    if c.finish_reason is not None:
+                        more, tail = thinker.finish()
+                        thinking, body = thinking + more, body + tail
+                    for e in (w.reasoning(thinking) if thinking else []):
+                        yield e
+                for e in w.feed(*parser.feed(body)):
                     yield e
                 if c.finish_reason is not None:
                     for e in w.feed(*parser.finish()):

@@ -72,7 +72,21 @@ class FunctionCallItem(ResponseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(ResponseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class ReasoningItem(ResponseModel):
+    """A thinking model's reasoning (under `--reasoning-parser`), before its answer."""
+    id: str = Field(default_factory=lambda: random_id("rs_"))
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = []
+    content: list[ReasoningText] = []
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 class ResponseUsage(ResponseModel):

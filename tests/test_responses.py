@@ -84,7 +84,8 @@ def test_function_call_after_a_user_message_opens_an_assistant_message():
 
 
 @pytest.mark.parametrize("items, param", [
-    ([{"type": "reasoning", "summary": []}], "input[0].type"),
+    ([{"type": "web_search_call", "id": "w"}], "input[0].type"),
+    ([{"type": "reasoning", "summary": []}], "input"),      # dropped: nothing is left
     ([{"role": "tool", "content": "x"}], "input[0].role"),
     ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
      "input[0].content[0].type"),
@@ -227,7 +228,8 @@ class FakeEngine:
             yield RequestOutput(request_id, prompt, prompt_ids, [out], finished=last)
 
 
-async def _collect(engine: FakeEngine, store: ResponseStore) -> list[dict]:
+async def _collect(engine: FakeEngine, store: ResponseStore,
+                   reasoning: str | None = None) -> list[dict]:
     from formwork.gateway.metrics import Metrics, RequestTimer
     from formwork.gateway.serving import ServerState
     from formwork.gateway.serving_chat import PreparedChat
@@ -239,7 +241,7 @@ async def _collect(engine: FakeEngine, store: ResponseStore) -> list[dict]:
                         max_model_len=64, metrics=Metrics("m"))
     req = ResponsesRequest(input="hi", stream=True)
     prep = PreparedChat("m", "p", [1, 2, 3], SamplingParams(max_tokens=3), ToolMode("none", ()),
-                        None)
+                        None, reasoning=reasoning)
     conversation = input_messages(req.input)
     return _events([e async for e in _stream(state, store, req, prep, conversation,
                                               _base(req, "m"), RequestTimer())])
@@ -456,3 +458,43 @@ def test_unsupported_is_400(client, model, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=model, input="hi", max_output_tokens=4, **fields)
     assert e.value.param == param
+
+
+@pytest.mark.parametrize("reason", ["stop", "length"])
+def test_stream_splits_thinking_into_a_reasoning_item(reason):
+    """Under a reasoning parser the thinking is a `reasoning` item (reasoning_text
+    events, a tag cut between deltas included) before the message; the final response
+    holds the items the events built, equal to the non-streamed items; the stored
+    conversation keeps the answer only."""
+    import asyncio
+    store = ResponseStore()
+    pieces = ["<think>Let", " me</th", "ink>\n\n", "Hel", "lo"]
+    if reason == "length":
+        pieces = ["<think>Let", " me"]                  # cut while thinking
+    events = asyncio.run(_collect(FakeEngine(pieces, reason=reason), store, reasoning="qwen3"))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[2:5] == ["response.output_item.added", "response.content_part.added",
+                          "response.reasoning_text.delta"]
+    assert events[3]["part"] == {"type": "reasoning_text", "text": ""}
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thought == "Let me"
+    assert next(e for e in events if e["type"] == "response.reasoning_text.done")["text"] == thought
+    resp = events[-1]["response"]
+    answer = "Hello" if reason == "stop" else None
+    expected = output_items(answer, [], reason == "length", "Let me")
+    assert [(i["type"], i["status"]) for i in resp["output"]] == \
+        [(i.type, i.status) for i in expected] == \
+        [("reasoning", "completed"), ("message", "incomplete" if answer is None else "completed")]
+    assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": "Let me"}]
+    assert resp["output"][1]["content"][0]["text"] == (answer or "")
+    assert store.get(resp["id"]).conversation[-1] == {"role": "assistant", "content": answer}
+
+
+def test_reasoning_items_sent_back_are_left_out():
+    """An agent's history carries the reasoning items of earlier turns: accepted, and
+    left out of the prompt (chat templates drop earlier thinking)."""
+    msgs = input_messages([{"type": "reasoning", "id": "rs_1", "summary": [],
+                            "content": [{"type": "reasoning_text", "text": "hm"}]},
+                           {"role": "user", "content": "hi"}])
+    assert msgs == [{"role": "user", "content": "hi"}]
