@@ -171,7 +171,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     request_id = random_id("chatcmpl-")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_chat_stream(state, prep, request_id, timer, include_usage),
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+        return StreamingResponse(_chat_stream(state, prep, request_id, timer, include_usage,
+                                              continuous),
                                  media_type="text/event-stream")
     try:
         final = await run_until_disconnect(
@@ -205,15 +207,24 @@ def _chunk(request_id: str, created: int, model: str, choice: ChatStreamChoice |
 
 
 async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
-                       timer: RequestTimer, include_usage: bool) -> AsyncIterator[str]:
+                       timer: RequestTimer, include_usage: bool,
+                       continuous: bool = False) -> AsyncIterator[str]:
+    """`continuous`: vLLM's continuous_usage_stats, each chunk with its choice's usage."""
     created, model = int(time.time()), prep.model
+    prompt_len = len(prep.prompt_ids)
+
+    def so_far(done: int) -> UsageInfo | None:
+        return UsageInfo(prompt_tokens=prompt_len, completion_tokens=done,
+                         total_tokens=prompt_len + done) if continuous else None
+
     text = TokenText(state.tokenizer, prep.token_ids_as_names)
     parsers = [ToolStreamParser(prep.mode) for _ in range(prep.params.n)]
     thinkers = [ReasoningSplitter(prep.reasoning, prep.prompt) if prep.reasoning else None
                 for _ in range(prep.params.n)]
     for i in range(prep.params.n):
         yield _chunk(request_id, created, model, ChatStreamChoice(
-            index=i, delta=DeltaMessage(role="assistant", content="")), include_usage)
+            index=i, delta=DeltaMessage(role="assistant", content="")), include_usage,
+            so_far(0))
     last: RequestOutput | None = None
     sent_final = [False] * prep.params.n
     try:
@@ -228,14 +239,15 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
                                if c.finish_reason is not None else None)
                     for piece in _choice_chunks(c, parsers[c.index], text, verdict,
                                                 thinkers[c.index]):
-                        yield _chunk(request_id, created, model, piece, include_usage)
+                        yield _chunk(request_id, created, model, piece, include_usage,
+                                     so_far(len(c.token_ids)))
                     sent_final[c.index] = c.finish_reason is not None
     except APIError as e:
         yield sse_error(blame(e, prep.source))
         yield sse("[DONE]")
         return
     if include_usage and last is not None:
-        yield _chunk(request_id, created, model, None, True, _usage(len(prep.prompt_ids), last))
+        yield _chunk(request_id, created, model, None, True, _usage(prompt_len, last))
     yield sse("[DONE]")
 
 

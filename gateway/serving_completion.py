@@ -162,7 +162,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     request_id = random_id("cmpl-")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, prep, request_id, req.echo, include_usage),
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+        return StreamingResponse(_stream(state, prep, request_id, req.echo, include_usage,
+                                         continuous),
                                  media_type="text/event-stream")
     runs = [generate_final(state, f"{request_id}-{i}", p, ids, prep.params[i], RequestTimer())
             for i, (p, ids) in enumerate(prep.prompts)]
@@ -249,7 +251,9 @@ class _ChoiceDeltas:
 
 
 async def _stream(state: ServerState, prep: PreparedCompletion, request_id: str, echo: bool,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
+    """`continuous`: vLLM's continuous_usage_stats, each chunk with its choice's usage
+    (its prompt's tokens and its own so far)."""
     created, deltas = int(time.time()), _ChoiceDeltas(state, prep, echo)
     finals: dict[int, RequestOutput] = {}
 
@@ -265,7 +269,10 @@ async def _stream(state: ServerState, prep: PreparedCompletion, request_id: str,
             async for i, ro in merged:
                 for c in ro.outputs:
                     if (choice := deltas.choice(i, ro, c)) is not None:
-                        yield chunk([choice])
+                        plen = len(prep.prompts[i][1])
+                        yield chunk([choice], UsageInfo(
+                            prompt_tokens=plen, completion_tokens=len(c.token_ids),
+                            total_tokens=plen + len(c.token_ids)) if continuous else None)
                 if ro.finished:
                     finals[i] = ro
     except APIError as e:

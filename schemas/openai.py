@@ -22,6 +22,8 @@ from formwork.schemas.sampling import MAX_N
 
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaSpec(RequestModel):

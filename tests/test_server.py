@@ -762,6 +762,29 @@ def test_reasoning_parser_splits_thinking_from_content(server, client, model, to
     assert ("".join(reasoning) or None, "".join(content) or None) == expected(names)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_continuous_usage_stats(server, path):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's
+    usage so far (tokens counted up to that chunk); plain include_usage only the last."""
+    body = _chat(max_tokens=12, temperature=0, ignore_eos=True, stream=True,
+                 stream_options={"include_usage": True, "continuous_usage_stats": True})
+    if path == "/v1/completions":
+        body = {k: v for k, v in body.items() if k != "messages"} | {"prompt": "Once upon"}
+    chunks = [json.loads(x[6:]) for x in _post(server, body, path=path).text.split("\n\n")
+              if x.startswith("data: {")]
+    *parts, final = chunks
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 12
+    used = [c["usage"]["completion_tokens"] for c in parts]
+    assert all(c["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for c in parts)
+    assert used == sorted(used) and used[-1] == 12 and len(set(used)) > 3
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + n
+               for c, n in zip(parts, used))
+    body["stream_options"] = {"include_usage": True}
+    plain = [json.loads(x[6:]) for x in _post(server, body, path=path).text.split("\n\n")
+             if x.startswith("data: {")]
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 12
+
+
 @pytest.mark.parametrize("body,status,param,code,words", ERROR_CASES)
 def test_error_responses(server, body, status, param, code, words):
     r = _post(server, body)
