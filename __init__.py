@@ -19,7 +19,7 @@ from formwork.grammar import deferred_iri
 
 deferred_iri.defer()    # before anything imports jsonschema: ~1 s of every start
 
-from formwork.schemas.sampling import SamplingParams  # noqa: E402
+from formwork.schemas.sampling import BeamSearchParams, SamplingParams  # noqa: E402
 from formwork.schemas.structured import StructuredOutputsParams  # noqa: E402
 
 
@@ -34,5 +34,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'formwork' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "RequestOutput",
+           "CompletionOutput", "Logprob"]

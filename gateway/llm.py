@@ -28,8 +28,9 @@ from typing import Any, Callable, Sequence
 from formwork.core.step_hooks import StepHooks
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
-from formwork.schemas.sampling import (SamplingParams, check_priority, check_token_ids,
-                                       resolve_bad_words)
+from formwork.gateway.beam_search import BeamSearch, BeamSearchOutput
+from formwork.schemas.sampling import (BeamSearchParams, SamplingParams, check_priority,
+                                       check_token_ids, resolve_bad_words)
 
 PromptType = str | dict[str, Any]
 
@@ -277,6 +278,41 @@ class LLM:
                 raise ValueError(f"{where}: {e.message}" if len(convs) > 1 else e.message) from None
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, on_finished=on_finished)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search` (gateway/beam_search.py): per prompt, the best
+        `params.beam_width` sequences, best first; each round runs every live beam
+        of every prompt as one batch of one-token requests. `lora_request` must be
+        None (no adapters are served); `use_tqdm` and `concurrency_limit` (vLLM's)
+        change nothing here."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not served")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tokenized = [self._to_tokens(p) for p in prompts]
+        for _, ids in tokenized:
+            self.engine.check_prompt(ids)
+        eos = self.tokenizer.eos_token_id
+        searches = [BeamSearch(ids, params.beam_width, params.max_tokens, eos,
+                               ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
+                               max_model_len=self.engine.max_model_len)
+                    for _, ids in tokenized]
+        one = SamplingParams(max_tokens=1, temperature=params.temperature,
+                             logprobs=2 * params.beam_width, ignore_eos=True)
+        while live := [(s, b) for s in searches for b in s.live()]:
+            outs = self.generate([{"prompt_token_ids": b.tokens} for _, b in live], one,
+                                 use_tqdm=False)
+            tops = {id(s): [] for s in searches}
+            for (s, _), out in zip(live, outs):
+                entry = out.outputs[0].logprobs[0]
+                tops[id(s)].append({t: lp.logprob for t, lp in entry.items()})
+            for s in searches:
+                if s.live():
+                    s.advance(tops[id(s)])
+        return [s.result(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+                for s in searches]
 
     def get_tokenizer(self):
         """The engine's Hugging Face tokenizer (as vLLM's `LLM.get_tokenizer()`)."""

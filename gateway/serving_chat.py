@@ -10,6 +10,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from formwork.gateway.beam_search import check_beam_request, serve_beam_search
 from formwork.gateway.chat import build_chat_prompt
 from formwork.gateway.errors import APIError, bad_request
 from formwork.gateway.limits import check_text_fits, truncated_prompt
@@ -65,6 +66,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                           param="continue_final_message")
     mode = resolve_tool_mode(req)
     structured, source = structured_from_request(req, mode)
+    if req.use_beam_search:
+        check_beam_request(req, source, chat=True)
     if structured is not None:
         await asyncio.to_thread(validate_constraint, structured, source,
                                 state.engine.config.structured_backend)
@@ -169,6 +172,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     timer = RequestTimer()
     prep = await prepare_chat(state, req)
     request_id = random_id("chatcmpl-")
+    if req.use_beam_search:
+        return await _beam_chat(state, req, prep, request_id, raw)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
@@ -186,6 +191,26 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     resp = ChatCompletionResponse(id=request_id, model=prep.model, choices=choices,
                                   usage=_usage(len(prep.prompt_ids), final),
                                   prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs))
+    data = resp.model_dump(mode="json")
+    drop_unset(data["choices"])
+    return JSONResponse(data)
+
+
+async def _beam_chat(state: ServerState, req: ChatCompletionRequest, prep: PreparedChat,
+                     request_id: str, raw: Request) -> JSONResponse:
+    """use_beam_search: the n best beams, best first, as the choices."""
+    out = await run_until_disconnect(serve_beam_search(
+        state, request_id, prep.prompt_ids, req.n, prep.params.max_tokens,
+        ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0,
+        length_penalty=req.length_penalty), raw)
+    choices = [ChatChoice(index=j, message=ResponseMessage(content=seq.text),
+                          finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+               for j, seq in enumerate(out.sequences)]
+    done = sum(len(seq.generated) for seq in out.sequences)
+    resp = ChatCompletionResponse(id=request_id, model=prep.model, choices=choices,
+                                  usage=UsageInfo(prompt_tokens=len(prep.prompt_ids),
+                                                  completion_tokens=done,
+                                                  total_tokens=len(prep.prompt_ids) + done))
     data = resp.model_dump(mode="json")
     drop_unset(data["choices"])
     return JSONResponse(data)

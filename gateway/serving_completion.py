@@ -17,6 +17,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from formwork.gateway.beam_search import check_beam_request, serve_beam_search
 from formwork.gateway.completion_logprobs import (completion_logprobs, echo_logprobs,
                                                   prompt_logprobs_field)
 from formwork.gateway.errors import APIError, bad_request
@@ -99,6 +100,8 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     # best_of ranks candidates by cumulative logprob: the chosen tokens' logprobs are needed
     engine_lp = req.logprobs if req.logprobs is not None or best_of == req.n else 0
     structured, source = structured_from_request(req)
+    if req.use_beam_search:
+        check_beam_request(req, source, chat=False)
     if structured is not None:
         await asyncio.to_thread(validate_constraint, structured, source,
                                 state.engine.config.structured_backend)
@@ -160,6 +163,8 @@ def _choices(prep: PreparedCompletion, i: int, ro: RequestOutput,
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     prep = await prepare_completion(state, req)
     request_id = random_id("cmpl-")
+    if req.use_beam_search:
+        return await _beam_completion(state, req, prep, request_id, raw)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
@@ -177,6 +182,26 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                for c in _choices(prep, i, ro, text, state.metrics)]
     resp = CompletionResponse(id=request_id, model=prep.model, choices=choices,
                               usage=_usage(prep, finals))
+    data = resp.model_dump(mode="json")
+    drop_unset(data["choices"])
+    return JSONResponse(data)
+
+
+async def _beam_completion(state: ServerState, req: CompletionRequest, prep: PreparedCompletion,
+                           request_id: str, raw: Request) -> JSONResponse:
+    """use_beam_search: the n best beams of each prompt, best first."""
+    runs = [serve_beam_search(state, f"{request_id}-{i}", ids, req.n, prep.params[i].max_tokens,
+                              ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0,
+                              length_penalty=req.length_penalty)
+            for i, (_, ids) in enumerate(prep.prompts)]
+    results = await run_until_disconnect(asyncio.gather(*runs), raw)
+    choices = [CompletionChoice(index=i * req.n + j, text=seq.text,
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+               for i, out in enumerate(results) for j, seq in enumerate(out.sequences)]
+    prompt = sum(len(ids) for _, ids in prep.prompts)
+    done = sum(len(seq.generated) for out in results for seq in out.sequences)
+    resp = CompletionResponse(id=request_id, model=prep.model, choices=choices, usage=UsageInfo(
+        prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done))
     data = resp.model_dump(mode="json")
     drop_unset(data["choices"])
     return JSONResponse(data)

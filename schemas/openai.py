@@ -88,8 +88,6 @@ class ChatMessage(RequestModel):
 # without beam search, spaces_between_special_tokens, kv_transfer_params,
 # vllm_xargs, request_id...) stay ignored.
 _UNSERVED = {
-    "use_beam_search": "beam search is not served (sample n candidates; /v1/completions "
-                       "also takes best_of)",
     "logits_processors": "custom logits processors are not served",
     "prompt_embeds": "prompt embeddings are not served; send text or token ids",
     "mm_processor_kwargs": "multimodal inputs are not served",
@@ -128,6 +126,10 @@ class _SamplingFields(RequestModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(
         default=None, json_schema_extra={"items": {"type": "integer", "minimum": 0}})
+    # vLLM's beam search: `n` beams (at most 10), ranked by cumulative logprob divided by
+    # length ** length_penalty (gateway/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     allowed_token_ids: list[int] | None = Field(
         default=None, json_schema_extra={"items": {"type": "integer", "minimum": 0}, "minItems": 1})
     bad_words: list[str] | None = Field(default=None, json_schema_extra={

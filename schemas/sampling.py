@@ -16,6 +16,7 @@ MAX_PRIORITY = 2**31         # |priority| at most this: it travels as an int64
 MAX_LOGIT_BIAS = 100.0       # OpenAI: biases in [-100, 100]; -100 bans the token
 MAX_BAD_WORDS = 256          # bad_words per request (each tokenized twice at the gateway)
 MAX_BAD_WORD_CHARS = 256
+MAX_BEAM_WIDTH = 10          # a beam search round asks for 2 x width logprobs, at most 20
 
 
 def check_token_ids(params: "SamplingParams", vocab_size: int) -> None:
@@ -45,6 +46,12 @@ def resolve_bad_words(params: "SamplingParams", tokenizer) -> None:
             if ids and ids not in seqs:
                 seqs.append(ids)
     params.bad_words_token_ids = seqs
+
+
+def check_beam_width(width: int, param: str = "beam_width") -> None:
+    if not 1 <= width <= MAX_BEAM_WIDTH:
+        raise ParamError(param, f"beam search takes a width in [1, {MAX_BEAM_WIDTH}] (its "
+                         f"rounds ask for 2 x width logprobs, at most 20), got {width}")
 
 
 def check_priority(params: "SamplingParams", scheduling_policy: str) -> None:
@@ -203,3 +210,29 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def clone(self, **changes) -> "SamplingParams":
         return msgspec.structs.replace(self, **changes)
+
+
+class BeamSearchParams(msgspec.Struct, kw_only=True):
+    """vLLM's BeamSearchParams for `LLM.beam_search` (gateway/beam_search.py):
+    `beam_width` beams (at most 10), `max_tokens` rounds; `temperature` applies to
+    the one-token requests of each round (their candidates are the raw logprobs'
+    top 2 x width, as vLLM's); `length_penalty` divides the cumulative logprob by
+    length ** length_penalty when ranking; `ignore_eos` keeps beams growing past
+    the end token."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        check_beam_width(self.beam_width)
+        if self.max_tokens < 1:
+            raise ParamError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        for name in ("temperature", "length_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ParamError(name, f"must be a finite number, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ParamError("temperature", f"must be >= 0, got {self.temperature}")

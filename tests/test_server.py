@@ -500,7 +500,11 @@ def _chat(**kw) -> dict:
 ERROR_CASES = [  # (body, status, param, code, words that must appear in the message)
     (b'{"messages": [', 400, None, "invalid_json", ["JSON"]),
     # vLLM fields formwork does not serve: refused by name, never silently ignored
-    (_chat(use_beam_search=True), 400, "use_beam_search", None, ["beam search"]),
+    (_chat(use_beam_search=True, n=11), 400, "n", None, ["[1, 10]"]),
+    (_chat(use_beam_search=True, stream=True), 400, "stream", None, ["use_beam_search"]),
+    (_chat(use_beam_search=True, logprobs=True), 400, "logprobs", None, ["use_beam_search"]),
+    (_chat(use_beam_search=True, response_format={"type": "json_object"}), 400,
+     "response_format", None, ["use_beam_search"]),
     (_chat(bad_words=["x"] * 300), 400, "bad_words", None, ["256"]),
     (_chat(bad_words=["  "]), 400, "bad_words", None, ["not only spaces"]),
     (_chat(allowed_token_ids=[]), 400, "allowed_token_ids", None, ["at least one"]),
@@ -783,6 +787,28 @@ def test_continuous_usage_stats(server, path):
     plain = [json.loads(x[6:]) for x in _post(server, body, path=path).text.split("\n\n")
              if x.startswith("data: {")]
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_beam_search_on_both_endpoints(client, model):
+    """vLLM's use_beam_search: n beams, best first; width 1 is greedy decoding."""
+    prompt = "Once upon a time"
+    greedy = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    one = client.completions.create(model=model, prompt=prompt, max_tokens=6, n=1,
+                                    extra_body={"use_beam_search": True})
+    assert one.choices[0].text == greedy.choices[0].text
+    three = client.completions.create(model=model, prompt=[prompt, "The sky is"], max_tokens=6,
+                                      n=3, extra_body={"use_beam_search": True,
+                                                       "length_penalty": 0.5})
+    assert [c.index for c in three.choices] == list(range(6))
+    for group in (three.choices[:3], three.choices[3:]):
+        texts = [c.text for c in group]
+        assert len(set(texts)) == 3 and all(texts)
+        assert all(c.finish_reason in ("stop", "length") for c in group)
+    assert three.usage.completion_tokens <= 6 * 6 and three.usage.prompt_tokens > 0
+    chat = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, n=2,
+                                          extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and chat.choices[0].message.content
+    assert chat.choices[0].message.content != chat.choices[1].message.content
 
 
 @pytest.mark.parametrize("body,status,param,code,words", ERROR_CASES)
