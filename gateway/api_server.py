@@ -21,6 +21,7 @@ import time
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from uvicorn.config import STARTUP_FAILURE
 
 from formwork.core.engine_proc import cuda_graphs_text
@@ -33,11 +34,12 @@ from formwork.gateway.limits import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware, lo
 from formwork.gateway.metrics import Metrics
 from formwork.gateway.responses_store import ResponseStore
 from formwork.gateway.routes import router
+from formwork.gateway.serve_options import HTTPOptions, RequestOptions, generation_defaults
 from formwork.gateway.version import version
 from formwork.gateway.serving import ServerState
 from formwork.gateway.shutdown import DrainingServer, drain, exit_for_supervisor
 from formwork.gateway.tokenizer_pool import TokenizerPool
-from formwork.gpu.model_files import DEFAULT_MODEL, load_model_tokenizer
+from formwork.gpu.model_files import DEFAULT_MODEL, load_model_tokenizer, resolve_model
 from formwork.schemas.config import EngineConfig
 
 log = logging.getLogger("formwork.gateway")
@@ -116,21 +118,29 @@ def _log_ready(config: EngineConfig, names: tuple[str, ...], engine, info, t0: f
 
 def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None,
               engine_restarts: dict | None = None, chat_template: str | None = None,
-              reasoning_parser: str | None = None):
+              reasoning_parser: str | None = None, requests: RequestOptions | None = None):
     """The app's lifespan: start the engine and the tokenizer, serve, shut down."""
+    requests = requests or RequestOptions()
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         t0 = time.monotonic()
         engine, release_engines, tokenizer, tokenizers, max_token_chars, info = \
             await _start(config, engine_restarts, chat_template)
         _log_ready(config, names, engine, info, t0)
+        defaults = generation_defaults(requests.generation_config,
+                                       str(resolve_model(config.model, weights=False)),
+                                       requests.override_generation_config)
+        if defaults:
+            log.info("sampling defaults for fields a request leaves out (--generation-config "
+                     "%s): %s", requests.generation_config, defaults)
         app.state.server = ServerState(engine=engine, tokenizer=tokenizer,
                                        served_model_names=names,
                                        max_model_len=info.max_model_len,
                                        metrics=Metrics(names[0]), api_key=api_key,
                                        max_token_chars=max_token_chars, tokenizers=tokenizers,
                                        scheduling_policy=config.scheduling_policy,
-                                       reasoning_parser=reasoning_parser)
+                                       reasoning_parser=reasoning_parser,
+                                       options=requests, default_sampling=defaults)
         try:
             yield
         finally:
@@ -147,15 +157,19 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
               admission: Admission | None = None,
               engine_restarts: dict | None = None,
               chat_template: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              http: HTTPOptions | None = None,
+              requests: RequestOptions | None = None) -> FastAPI:
     """`admission`: the bound on generation requests in flight (default: none);
     `engine_restarts`: max_restarts / restart_backoff_s of the engine client;
     `chat_template`: a Jinja chat template in place of the tokenizer's;
-    `reasoning_parser`: vLLM's --reasoning-parser (gateway/reasoning.py)."""
+    `reasoning_parser`: vLLM's --reasoning-parser (gateway/reasoning.py); `http` (CORS)
+    and `requests`: the serve options of gateway/serve_options.py."""
+    http = http or HTTPOptions()
     names = tuple(served_model_names or [config.model or DEFAULT_MODEL])
     app = FastAPI(title="formwork", version=version(),
                   lifespan=_lifespan(config, names, api_key, engine_restarts, chat_template,
-                                     reasoning_parser))
+                                     reasoning_parser, requests))
     app.state.admission = admission or Admission(None)
     app.state.responses = ResponseStore()      # store/previous_response_id (last 1000)
     install_error_handlers(app)
@@ -164,6 +178,11 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(max_request_body_mb * 2**20))
+    if http.allowed_origins:       # outermost: preflights are answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(http.allowed_origins),
+                           allow_credentials=http.allow_credentials,
+                           allow_methods=list(http.allowed_methods),
+                           allow_headers=list(http.allowed_headers))
     return app
 
 
@@ -173,17 +192,22 @@ def run_server(config: EngineConfig, *, host: str, port: int,
                max_waiting_requests: int = DEFAULT_MAX_WAITING,
                drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
                engine_restarts: dict | None = None, chat_template: str | None = None,
-               reasoning_parser: str | None = None) -> int:
+               reasoning_parser: str | None = None, http: HTTPOptions | None = None,
+               requests: RequestOptions | None = None) -> int:
     """Serve until SIGTERM (drained) or SIGINT; the exit status."""
     admission = Admission(max_generating(config.max_num_seqs * config.data_parallel_size,
                                          max_waiting_requests))
     app = build_app(config, served_model_names=served_model_names, api_key=api_key,
                     max_request_body_mb=max_request_body_mb, admission=admission,
                     engine_restarts=engine_restarts, chat_template=chat_template,
-                    reasoning_parser=reasoning_parser)
+                    reasoning_parser=reasoning_parser, http=http, requests=requests)
+    http = http or HTTPOptions()
     server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                       timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S),
+                       timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S,
+                       root_path=http.root_path, access_log=http.access_log,
+                       ssl_keyfile=http.ssl_keyfile, ssl_certfile=http.ssl_certfile,
+                       ssl_ca_certs=http.ssl_ca_certs, ssl_cert_reqs=http.ssl_cert_reqs),
         on_sigterm=lambda: drain(app, drain_timeout_s))
     with contextlib.suppress(KeyboardInterrupt):     # uvicorn re-raises a SIGINT it handled
         server.run()

@@ -13,6 +13,7 @@ import sys
 
 from formwork.gateway.engine_args import FLAGS, add_engine_arguments, engine_config
 from formwork.gateway.reasoning import PARSERS
+from formwork.gateway.serve_options import add_http_arguments, options_from_args
 from formwork.gateway.version import version
 
 
@@ -46,6 +47,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template (a file, or the template itself) in place of "
                         "the model's (as vLLM's --chat-template)")
     add_engine_arguments(p)
+    add_http_arguments(p)
     _add_vllm_arguments(p)
 
 
@@ -113,6 +115,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = engine_config(args)
         check_serve_arguments(args)
+        http, requests = options_from_args(args)
     except ValueError as e:
         print(f"formwork serve: {e}", file=sys.stderr)
         return 2
@@ -123,7 +126,8 @@ def serve(args: argparse.Namespace) -> int:
                       drain_timeout_s=args.drain_timeout,
                       engine_restarts=dict(max_restarts=args.max_engine_restarts,
                                            restart_backoff_s=args.engine_restart_backoff),
-                      chat_template=args.chat_template, reasoning_parser=args.reasoning_parser)
+                      chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
+                      http=http, requests=requests)
 
 
 def load_chat_template(spec: str) -> str:

@@ -149,7 +149,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -313,6 +313,17 @@ class LLM:
                     s.advance(tops[id(s)])
         return [s.result(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
                 for s in searches]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model folder's generation_config.json sampling values
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as
+        max_tokens) over SamplingParams' defaults; `generate` uses them when given no
+        sampling_params."""
+        from formwork.gateway.serve_options import generation_defaults
+        from formwork.gpu.model_files import resolve_model
+        found = generation_defaults("auto", str(resolve_model(self.config.model, weights=False)),
+                                    None)
+        return SamplingParams(**found)
 
     def get_tokenizer(self):
         """The engine's Hugging Face tokenizer (as vLLM's `LLM.get_tokenizer()`)."""

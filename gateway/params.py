@@ -4,6 +4,8 @@ Pure functions; every refusal is an APIError 400 naming the request field.
 """
 from __future__ import annotations
 
+import logging
+
 import msgspec
 
 from formwork.gateway.errors import APIError, bad_request
@@ -14,6 +16,7 @@ from formwork.schemas.sampling import (SamplingParams, check_priority, check_tok
                                        resolve_bad_words)
 from formwork.schemas.structured import FALSE_SCHEMA, KINDS, StructuredOutputsParams, is_set
 
+_log = logging.getLogger("formwork.gateway.requests")
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                 "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "priority",
@@ -159,8 +162,9 @@ def validate_constraint(params: StructuredOutputsParams, source: str,
 
 
 def context_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,
-                       prompt_param: str) -> int:
-    """The max_tokens to send: `requested`, or what the context leaves when None."""
+                       prompt_param: str, default: int | None = None) -> int:
+    """The max_tokens to send: `requested`, or when None what the context leaves (at
+    most `default`: the generation config's max_new_tokens)."""
     total = prompt_len + (requested or 0)
     if prompt_len >= max_model_len or total > max_model_len:
         detail = f"{prompt_len} in the {prompt_param}"
@@ -170,7 +174,10 @@ def context_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
             400, f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {max(total, prompt_len)} tokens ({detail}). Please reduce the length of "
             f"the {prompt_param} or completion.", param=prompt_param, code="context_length_exceeded")
-    return requested if requested is not None else max_model_len - prompt_len
+    if requested is not None:
+        return requested
+    room = max_model_len - prompt_len
+    return min(int(default), room) if default else room
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_tokens: int,
@@ -178,13 +185,19 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_token
                     rename: dict[str, str] | None = None,
                     prompt_logprobs: int | None = None,
                     vocab_size: int | None = None,
-                    scheduling_policy: str = "fcfs", tokenizer=None) -> SamplingParams:
+                    scheduling_policy: str = "fcfs", tokenizer=None,
+                    defaults: dict | None = None) -> SamplingParams:
     """Build SamplingParams; its ValueError "param: msg" becomes a 400 on the request field
     (`rename` maps engine names to request names, e.g. logprobs -> top_logprobs).
     `vocab_size`: token ids (stop_token_ids, logit_bias) are checked against it. A
     `priority` other than 0 needs the server's scheduling_policy "priority" (as vLLM).
-    `tokenizer`: turns bad_words into token sequences (`resolve_bad_words`)."""
+    `tokenizer`: turns bad_words into token sequences (`resolve_bad_words`).
+    `defaults`: sampling values for fields the request leaves out (the server's
+    generation config, gateway/serve_options.py)."""
     fields = {k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}
+    for name, value in (defaults or {}).items():
+        if name != "max_tokens" and getattr(req, name, None) is None:
+            fields[name] = value
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
     if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
@@ -260,3 +273,37 @@ def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
     if req.max_completion_tokens is not None:
         return req.max_completion_tokens, "max_completion_tokens"
     return req.max_tokens, "max_tokens"
+
+
+def check_max_logprobs(params: SamplingParams, cap: int, name: str) -> None:
+    """400 for more logprobs than the server's --max-logprobs (`name`: the request's
+    field for the per-token ones)."""
+    for field_name, value in ((name, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if value is not None and value > cap:
+            raise bad_request(f"{field_name}: at most {cap} (this server's --max-logprobs), "
+                              f"got {value}", param=field_name)
+
+
+def request_chat_template(state, template: str) -> str:
+    """A request's own chat_template: only under --trust-request-chat-template (as
+    vLLM), and one Jinja can parse (the tokenizer renders it in a sandbox)."""
+    if not state.options.trust_request_chat_template:
+        raise bad_request("chat_template: a per-request chat template is not accepted (as vLLM "
+                          "without --trust-request-chat-template); the model's own template is "
+                          "used", param="chat_template")
+    import jinja2
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise bad_request(f"chat_template: not a Jinja template: {e}", param="chat_template") from None
+    return template
+
+
+def log_request(state, request_id: str, prompt: str | None, params) -> None:
+    """--enable-log-requests: one line per generation request (the prompt cut to
+    --max-log-len characters)."""
+    if not state.options.log_requests:
+        return
+    cut = state.options.max_log_len
+    shown = prompt if prompt is None or cut is None else prompt[:cut]
+    _log.info("request %s: prompt %r, params %s", request_id, shown, params)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
@@ -15,6 +15,7 @@ from formwork.gateway.engine_client import EngineClient, EngineRequestError
 from formwork.gateway.errors import APIError
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_processor import RequestOutput
+from formwork.gateway.serve_options import RequestOptions
 from formwork.gateway.tokenizer_pool import TokenizerPool
 from formwork.schemas.sampling import SamplingParams
 
@@ -34,6 +35,8 @@ class ServerState:
     tokenizers: TokenizerPool | None = None
     scheduling_policy: str = "fcfs"     # the engines' (a request's priority needs "priority")
     reasoning_parser: str | None = None   # vLLM's --reasoning-parser (gateway/reasoning.py)
+    options: RequestOptions = field(default_factory=RequestOptions)   # gateway/serve_options.py
+    default_sampling: dict = field(default_factory=dict)   # for fields a request leaves out
 
     async def run_tokenizer(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """`fn(tokenizer, *args)` on a tokenizer worker thread (its own tokenizer copy);

@@ -18,7 +18,8 @@ from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_check import Verdict, check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.reasoning import END, ReasoningSplitter, split_reasoning, thinks_first
-from formwork.gateway.params import (chat_logprobs, chat_max_tokens, context_max_tokens,
+from formwork.gateway.params import (chat_logprobs, chat_max_tokens, check_max_logprobs,
+                                     context_max_tokens, log_request, request_chat_template,
                             explicit_prompt_logprobs, sampling_params, structured_from_request,
                             validate_constraint)
 from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
@@ -74,23 +75,30 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     if req.truncate_prompt_tokens is None:     # a truncated prompt may be longer (body limit)
         check_text_fits((t for m in req.messages for t in _texts(m.content)),
                         state.max_model_len, state.max_token_chars, "messages")
+    template_kwargs = req.chat_template_kwargs
+    if req.chat_template is not None:
+        template_kwargs = {**(template_kwargs or {}),
+                           "chat_template": request_chat_template(state, req.chat_template)}
     prompt, ids = await state.run_tokenizer(
-        build_chat_prompt, req.messages, mode, req.chat_template_kwargs,
+        build_chat_prompt, req.messages, mode, template_kwargs,
         add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message)
+        continue_final_message=req.continue_final_message, chat_template=req.chat_template)
     kept = truncated_prompt(ids, req.truncate_prompt_tokens, state.max_model_len)
     if len(kept) < len(ids):
         ids = kept
         prompt = await state.run_tokenizer(lambda tok: tok.decode(kept, skip_special_tokens=False))
     requested, max_param = chat_max_tokens(req)
-    max_tokens = context_max_tokens(len(ids), requested, state.max_model_len, "messages")
+    max_tokens = context_max_tokens(len(ids), requested, state.max_model_len, "messages",
+                                    state.default_sampling.get("max_tokens"))
     params = sampling_params(req, max_tokens=max_tokens, logprobs=chat_logprobs(req),
                              structured=structured, prompt_logprobs=explicit_prompt_logprobs(req),
                              rename={"max_tokens": max_param, "logprobs": "top_logprobs"},
                              vocab_size=len(state.tokenizer),
-                             scheduling_policy=state.scheduling_policy, tokenizer=state.tokenizer)
+                             scheduling_policy=state.scheduling_policy, tokenizer=state.tokenizer,
+                             defaults=state.default_sampling)
+    check_max_logprobs(params, state.options.max_logprobs, "top_logprobs")
     return PreparedChat(model, prompt, ids, params, mode, source,
-                        req.return_tokens_as_token_ids,
+                        req.return_tokens_as_token_ids or state.options.return_tokens_as_token_ids,
                         _reasoning(state, req, mode, prompt, params))
 
 
@@ -172,6 +180,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     timer = RequestTimer()
     prep = await prepare_chat(state, req)
     request_id = random_id("chatcmpl-")
+    log_request(state, request_id, prep.prompt, prep.params)
     if req.use_beam_search:
         return await _beam_chat(state, req, prep, request_id, raw)
     if req.stream:

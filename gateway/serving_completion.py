@@ -25,7 +25,8 @@ from formwork.gateway.limits import check_text_fits, truncated_prompt
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_check import check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
-from formwork.gateway.params import (context_max_tokens, explicit_prompt_logprobs, sampling_params,
+from formwork.gateway.params import (check_max_logprobs, context_max_tokens,
+                                     explicit_prompt_logprobs, log_request, sampling_params,
                             structured_from_request, validate_constraint)
 from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
@@ -107,15 +108,21 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
                                 state.engine.config.structured_backend)
     prompts = await state.run_tokenizer(_prompts, state, req.prompt, req.truncate_prompt_tokens)
     params = [sampling_params(req, max_tokens=context_max_tokens(
-                  len(ids), req.max_tokens, state.max_model_len, "prompt"),
+                  len(ids), req.max_tokens, state.max_model_len, "prompt",
+                  state.default_sampling.get("max_tokens")),
                   logprobs=engine_lp, prompt_logprobs=engine_plp, structured=structured,
                   vocab_size=len(state.tokenizer),
-                  scheduling_policy=state.scheduling_policy, tokenizer=state.tokenizer)
+                  scheduling_policy=state.scheduling_policy, tokenizer=state.tokenizer,
+                  defaults=state.default_sampling)
               for _, ids in prompts]
+    for p in params:
+        check_max_logprobs(p, state.options.max_logprobs, "logprobs")
     if best_of != req.n:
         params = [p.clone(n=best_of) for p in params]
     return PreparedCompletion(model, prompts, params, source, req.n, best_of, req.echo,
-                              req.logprobs, shown_plp is not None, req.return_tokens_as_token_ids)
+                              req.logprobs, shown_plp is not None,
+                              req.return_tokens_as_token_ids
+                              or state.options.return_tokens_as_token_ids)
 
 
 def _usage(prep: PreparedCompletion, finals: list[RequestOutput]) -> UsageInfo:
@@ -163,6 +170,8 @@ def _choices(prep: PreparedCompletion, i: int, ro: RequestOutput,
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     prep = await prepare_completion(state, req)
     request_id = random_id("cmpl-")
+    for i, (text, _) in enumerate(prep.prompts):
+        log_request(state, f"{request_id}-{i}", text, prep.params[i])
     if req.use_beam_search:
         return await _beam_completion(state, req, prep, request_id, raw)
     if req.stream:

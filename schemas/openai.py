@@ -94,8 +94,6 @@ _UNSERVED = {
 }
 _UNSERVED_CHAT = {
     "echo": "not served on chat completions (/v1/completions takes echo)",
-    "chat_template": "a per-request chat template is not accepted (as vLLM without "
-                     "--trust-request-chat-template); the model's own template is used",
     "documents": "RAG documents in the chat template are not served; put them in a message",
 }
 
@@ -183,6 +181,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the request's own template, under --trust-request-chat-template only
+    chat_template: str | None = None
     # vLLM's: no new assistant turn / continue the last (assistant) message instead
     add_generation_prompt: bool = True
     continue_final_message: bool = False

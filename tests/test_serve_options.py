@@ -1,0 +1,188 @@
+"""`formwork serve` under vLLM's HTTP and request flags, against real servers (the
+tiny model): CORS (vLLM's default: any origin; preflights answered before the key
+check), TLS, --root-path, --return-tokens-as-token-ids, --max-logprobs,
+--trust-request-chat-template, --enable-log-requests / --max-log-len, and the
+generation config as sampling defaults (--generation-config,
+--override-generation-config); bad values stop the start naming the flag."""
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from formwork.gateway.serve_options import generation_defaults
+from test_server import CLI, KEY, ROOT, Server
+
+BASE = ("--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory-gb", "0.05")
+H = {"Authorization": f"Bearer {KEY}"}
+
+
+def _chat(server, verify=True, **kw):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, **kw}
+    body = {k: v for k, v in body.items() if v is not None}
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=H, timeout=60,
+                      verify=verify)
+
+
+@pytest.fixture(scope="module")
+def flags_server(tiny_model_dir):
+    s = Server(str(tiny_model_dir), *BASE, "--return-tokens-as-token-ids", "--max-logprobs", "3",
+               "--trust-request-chat-template", "--enable-log-requests", "--max-log-len", "12",
+               "--override-generation-config", '{"temperature": 0, "max_new_tokens": 5}',
+               "--allowed-origins", '["https://app.example"]', "--root-path", "/llm",
+               "--disable-uvicorn-access-log", "--async-scheduling",
+               "--enable-prompt-tokens-details", "--response-role", "assistant")
+    yield s
+    s.stop()
+
+
+def test_cors_preflight_and_origin(flags_server):
+    pre = httpx.options(f"{flags_server.url}/v1/chat/completions", timeout=30, headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 200, pre.text          # answered before the key check
+    assert pre.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.get(f"{flags_server.url}/v1/models", headers={**H, "Origin": "https://app.example"},
+                  timeout=30)
+    assert r.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.get(f"{flags_server.url}/v1/models", headers={**H, "Origin": "https://evil.example"},
+                      timeout=30)
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_request_defaults_and_caps(flags_server):
+    # the overridden generation config: greedy and 5 tokens unless a request says otherwise
+    a, b = _chat(flags_server, max_tokens=None).json(), _chat(flags_server, max_tokens=None).json()
+    assert a["usage"]["completion_tokens"] == 5 and a["choices"][0]["finish_reason"] == "length"
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert _chat(flags_server, max_tokens=7, ignore_eos=True).json()["usage"]["completion_tokens"] == 7
+    # server-wide token ids in logprobs; the cap on top_logprobs
+    r = _chat(flags_server, logprobs=True, top_logprobs=3).json()
+    assert all(t["token"].startswith("token_id:") for t in r["choices"][0]["logprobs"]["content"])
+    over = _chat(flags_server, logprobs=True, top_logprobs=4)
+    assert over.status_code == 400 and over.json()["error"]["param"] == "top_logprobs"
+    assert "--max-logprobs" in over.json()["error"]["message"]
+    c = httpx.post(f"{flags_server.url}/v1/completions", headers=H, timeout=60,
+                   json={"prompt": "a", "max_tokens": 2, "logprobs": 5})
+    assert c.status_code == 400 and c.json()["error"]["param"] == "logprobs"
+
+
+def test_request_chat_template_when_trusted(flags_server, tiny_model_dir):
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    r = httpx.post(f"{flags_server.url}/tokenize", headers=H, timeout=30,
+                   json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    own = _chat(flags_server, chat_template=template, max_tokens=1)
+    assert own.status_code == 200, own.text
+    assert own.json()["usage"]["prompt_tokens"] != r["count"]      # the request's template
+    bad = _chat(flags_server, chat_template="{% for %}")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
+
+
+def test_requests_are_logged_cut(flags_server):
+    _chat(flags_server, messages=[{"role": "user", "content": "LOGGED-PROMPT-" + "x" * 50}])
+    logs = flags_server.logs()
+    line = next(ln for ln in logs.splitlines() if "request chatcmpl-" in ln and "params" in ln)
+    start = line.index("prompt ") + len("prompt ")
+    assert len(eval(line[start:line.index(", params")])) == 12     # --max-log-len
+    assert "GET /v1/models" not in logs and "POST /v1/chat" not in logs   # no access log
+
+
+def test_root_path_is_the_apps(flags_server):
+    spec = httpx.get(f"{flags_server.url}/openapi.json", timeout=30).json()
+    assert spec.get("servers") == [{"url": "/llm"}]
+
+
+def _self_signed(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    import ipaddress
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(1)
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(
+                ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return tmp_path / "key.pem", tmp_path / "cert.pem"
+
+
+class TLSServer(Server):
+    """Server over https (its health poll included)."""
+
+    def __init__(self, *args, **kw):
+        import test_server
+        real = test_server.httpx.get
+        test_server.httpx.get = lambda url, **k: real(url.replace("http://", "https://"),
+                                                      verify=False, **k)
+        try:
+            super().__init__(*args, **kw)
+        finally:
+            test_server.httpx.get = real
+        self.url = self.url.replace("http://", "https://")
+
+
+def test_tls(tiny_model_dir, tmp_path):
+    key, cert = _self_signed(tmp_path)
+    s = TLSServer(str(tiny_model_dir), *BASE, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert))
+    try:
+        r = _chat(s, verify=str(cert))
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        with pytest.raises(httpx.TransportError):       # plain http: no answer
+            httpx.get(s.url.replace("https://", "http://") + "/health", timeout=5)
+    finally:
+        s.stop()
+
+
+def test_default_cors_is_any_origin_and_a_plain_server_refuses_request_templates(tiny_model_dir):
+    s = Server(str(tiny_model_dir), *BASE)
+    try:
+        r = httpx.get(f"{s.url}/v1/models", headers={**H, "Origin": "https://any.example"},
+                      timeout=30)
+        assert r.headers["access-control-allow-origin"] == "*"
+        bad = _chat(s, chat_template="{{ messages }}")
+        assert bad.status_code == 400 and "--trust-request-chat-template" in bad.json()["error"]["message"]
+        lp = _chat(s, logprobs=True, top_logprobs=2).json()["choices"][0]["logprobs"]["content"]
+        assert not lp[0]["token"].startswith("token_id:")
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--max-logprobs", "30"], "--max-logprobs"),
+    (["--ssl-keyfile", "/nonexistent.pem", "--ssl-certfile", "/nonexistent.pem"], "--ssl-keyfile"),
+    (["--ssl-certfile", __file__], "go together"),
+    (["--override-generation-config", '{"seed": 3}'], "--override-generation-config"),
+    (["--generation-config", "/nonexistent"], "--generation-config"),
+    (["--allowed-origins", "*"], "--allowed-origins"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
+])
+def test_bad_flags_stop_the_start(flags, words):
+    r = subprocess.run([*CLI, "serve", *flags], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert words in r.stderr
+
+
+def test_generation_defaults(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 64, "do_sample": True,
+         "eos_token_id": [1, 2]}))
+    assert generation_defaults("auto", str(tmp_path), None) == {
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 64}
+    assert generation_defaults("vllm", str(tmp_path), {"temperature": 0.1}) == {"temperature": 0.1}
+    assert generation_defaults("auto", str(tmp_path / "none"), None) == {}
+    assert generation_defaults(str(tmp_path), None, {"top_k": 5})["top_k"] == 5
