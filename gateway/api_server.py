@@ -34,7 +34,8 @@ from formwork.gateway.limits import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware, lo
 from formwork.gateway.metrics import Metrics
 from formwork.gateway.responses_store import ResponseStore
 from formwork.gateway.routes import router
-from formwork.gateway.serve_options import HTTPOptions, RequestOptions, generation_defaults
+from formwork.gateway.serve_options import (HTTPOptions, RequestOptions, generation_defaults,
+                                           generation_eos_ids)
 from formwork.gateway.version import version
 from formwork.gateway.serving import ServerState
 from formwork.gateway.shutdown import DrainingServer, drain, exit_for_supervisor
@@ -127,9 +128,10 @@ def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None,
         engine, release_engines, tokenizer, tokenizers, max_token_chars, info = \
             await _start(config, engine_restarts, chat_template)
         _log_ready(config, names, engine, info, t0)
-        defaults = generation_defaults(requests.generation_config,
-                                       str(resolve_model(config.model, weights=False)),
+        folder = str(resolve_model(config.model, weights=False))
+        defaults = generation_defaults(requests.generation_config, folder,
                                        requests.override_generation_config)
+        extra_stop = generation_eos_ids(folder, tokenizer.eos_token_id)
         if defaults:
             log.info("sampling defaults for fields a request leaves out (--generation-config "
                      "%s): %s", requests.generation_config, defaults)
@@ -140,7 +142,8 @@ def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None,
                                        max_token_chars=max_token_chars, tokenizers=tokenizers,
                                        scheduling_policy=config.scheduling_policy,
                                        reasoning_parser=reasoning_parser,
-                                       options=requests, default_sampling=defaults)
+                                       options=requests, default_sampling=defaults,
+                                       extra_stop_ids=extra_stop)
         try:
             yield
         finally:

@@ -30,7 +30,7 @@ from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
 from formwork.gateway.beam_search import BeamSearch, BeamSearchOutput
 from formwork.schemas.sampling import (BeamSearchParams, SamplingParams, check_priority,
-                                       check_token_ids, resolve_bad_words)
+                                       check_token_ids, resolve_bad_words, with_stop_ids)
 
 PromptType = str | dict[str, Any]
 
@@ -117,6 +117,11 @@ class LLM:
             self.engine = EngineCore(self.config, hooks=step_hooks)
         self.tokenizer = self.engine.tokenizer
         self._processor = OutputProcessor(self.tokenizer)
+        from formwork.gateway.serve_options import generation_eos_ids
+        from formwork.gpu.model_files import resolve_model
+        # the generation config's end ids beside the tokenizer's stop every request (as vLLM)
+        self._extra_stop = generation_eos_ids(str(resolve_model(self.config.model, weights=False)),
+                                              self.tokenizer.eos_token_id)
         self._ids = itertools.count()
 
     # -- prompts ----------------------------------------------------------
@@ -170,6 +175,7 @@ class LLM:
         # the entry's checks, all before admitting anything: a bad prompt fails the call, not
         # the engine (each SamplingParams checked itself when it was built)
         tokenized = [self._to_tokens(p) for p in prompts]
+        params = [with_stop_ids(p, self._extra_stop) for p in params]
         for (_, ids), p in zip(tokenized, params):
             self.engine.check_prompt(ids)
             resolve_bad_words(p, self.tokenizer)

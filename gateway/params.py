@@ -13,7 +13,7 @@ from formwork.gateway.tools import ToolMode, tool_constraint
 from formwork.grammar.selection import validate_params
 from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
 from formwork.schemas.sampling import (SamplingParams, check_priority, check_token_ids,
-                                       resolve_bad_words)
+                                       resolve_bad_words, with_stop_ids)
 from formwork.schemas.structured import FALSE_SCHEMA, KINDS, StructuredOutputsParams, is_set
 
 _log = logging.getLogger("formwork.gateway.requests")
@@ -186,14 +186,16 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_token
                     prompt_logprobs: int | None = None,
                     vocab_size: int | None = None,
                     scheduling_policy: str = "fcfs", tokenizer=None,
-                    defaults: dict | None = None) -> SamplingParams:
+                    defaults: dict | None = None,
+                    extra_stop_ids: tuple[int, ...] = ()) -> SamplingParams:
     """Build SamplingParams; its ValueError "param: msg" becomes a 400 on the request field
     (`rename` maps engine names to request names, e.g. logprobs -> top_logprobs).
     `vocab_size`: token ids (stop_token_ids, logit_bias) are checked against it. A
     `priority` other than 0 needs the server's scheduling_policy "priority" (as vLLM).
     `tokenizer`: turns bad_words into token sequences (`resolve_bad_words`).
     `defaults`: sampling values for fields the request leaves out (the server's
-    generation config, gateway/serve_options.py)."""
+    generation config, gateway/serve_options.py); `extra_stop_ids`: its end ids beside
+    the tokenizer's, stop ids unless the request ignores the end."""
     fields = {k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}
     for name, value in (defaults or {}).items():
         if name != "max_tokens" and getattr(req, name, None) is None:
@@ -220,7 +222,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, max_token
             param = rename[param]
         raise bad_request(text, param=param) from None
     check_min_tokens(params)
-    return params
+    return with_stop_ids(params, extra_stop_ids)
 
 
 def _logit_bias(req: ChatCompletionRequest | CompletionRequest) -> dict[int, float] | None:

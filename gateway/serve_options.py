@@ -136,6 +136,18 @@ def generation_defaults(source: str, model_dir: str | None, override: dict | Non
     return found
 
 
+def generation_eos_ids(model_dir: str | None, eos_token_id: int | None) -> tuple[int, ...]:
+    """The generation config's end-of-sequence ids other than the tokenizer's (Qwen's
+    <|endoftext|> beside <|im_end|>, Llama 3's <|eom_id|> beside <|eot_id|>): vLLM
+    stops on them too, as stop_token_ids of requests that do not ignore_eos."""
+    path = pathlib.Path(model_dir) / "generation_config.json" if model_dir else None
+    if path is None or not path.is_file():
+        return ()
+    ids = json.loads(path.read_text()).get("eos_token_id")
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return tuple(sorted({int(i) for i in ids if isinstance(i, int)} - {eos_token_id}))
+
+
 def options_from_args(args: argparse.Namespace) -> tuple[HTTPOptions, RequestOptions]:
     """ValueError naming the flag of a bad value."""
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:

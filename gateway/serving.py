@@ -37,6 +37,8 @@ class ServerState:
     reasoning_parser: str | None = None   # vLLM's --reasoning-parser (gateway/reasoning.py)
     options: RequestOptions = field(default_factory=RequestOptions)   # gateway/serve_options.py
     default_sampling: dict = field(default_factory=dict)   # for fields a request leaves out
+    # the generation config's end ids beside the tokenizer's: stop ids of every request
+    extra_stop_ids: tuple[int, ...] = ()
 
     async def run_tokenizer(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """`fn(tokenizer, *args)` on a tokenizer worker thread (its own tokenizer copy);

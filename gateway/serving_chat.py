@@ -95,7 +95,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                              rename={"max_tokens": max_param, "logprobs": "top_logprobs"},
                              vocab_size=len(state.tokenizer),
                              scheduling_policy=state.scheduling_policy, tokenizer=state.tokenizer,
-                             defaults=state.default_sampling)
+                             defaults=state.default_sampling,
+                             extra_stop_ids=state.extra_stop_ids)
     check_max_logprobs(params, state.options.max_logprobs, "top_logprobs")
     return PreparedChat(model, prompt, ids, params, mode, source,
                         req.return_tokens_as_token_ids or state.options.return_tokens_as_token_ids,

@@ -113,7 +113,8 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
                   logprobs=engine_lp, prompt_logprobs=engine_plp, structured=structured,
                   vocab_size=len(state.tokenizer),
                   scheduling_policy=state.scheduling_policy, tokenizer=state.tokenizer,
-                  defaults=state.default_sampling)
+                  defaults=state.default_sampling,
+                             extra_stop_ids=state.extra_stop_ids)
               for _, ids in prompts]
     for p in params:
         check_max_logprobs(p, state.options.max_logprobs, "logprobs")

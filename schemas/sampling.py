@@ -48,6 +48,16 @@ def resolve_bad_words(params: "SamplingParams", tokenizer) -> None:
     params.bad_words_token_ids = seqs
 
 
+def with_stop_ids(params: "SamplingParams", extra: tuple[int, ...]) -> "SamplingParams":
+    """`params` with the generation config's extra end ids among its stop_token_ids
+    (unless it ignores the end; as vLLM's update_from_generation_config)."""
+    if not extra or params.ignore_eos:
+        return params
+    mine = list(params.stop_token_ids or [])
+    more = [t for t in extra if t not in mine]
+    return params.clone(stop_token_ids=mine + more) if more else params
+
+
 def check_beam_width(width: int, param: str = "beam_width") -> None:
     if not 1 <= width <= MAX_BEAM_WIDTH:
         raise ParamError(param, f"beam search takes a width in [1, {MAX_BEAM_WIDTH}] (its "

@@ -186,3 +186,42 @@ def test_generation_defaults(tmp_path):
     assert generation_defaults("vllm", str(tmp_path), {"temperature": 0.1}) == {"temperature": 0.1}
     assert generation_defaults("auto", str(tmp_path / "none"), None) == {}
     assert generation_defaults(str(tmp_path), None, {"top_k": 5})["top_k"] == 5
+
+
+def test_generation_config_end_ids_stop_requests(tiny_model_dir, tmp_path):
+    """The generation config's end ids beside the tokenizer's (Qwen's <|endoftext|>,
+    Llama 3's <|eom_id|>) stop generation as vLLM stops it, offline and served;
+    ignore_eos keeps going."""
+    import shutil
+
+    from formwork import LLM, SamplingParams
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    prompt = [{"prompt_token_ids": [1000, 2000, 3000, 4000, 5000]}]
+    greedy = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)   # varied
+    llm = LLM(str(folder), engine_process=False, dtype="float32", num_kv_blocks=32)
+    try:
+        free = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    k = next(i for i, t in enumerate(free) if i and t not in free[:i])   # a new token
+    end = free[k]
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, end]}))
+    llm = LLM(str(folder), engine_process=False, dtype="float32", num_kv_blocks=32)
+    try:
+        out = llm.generate(prompt, greedy.clone(ignore_eos=False), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == free[:k + 1] and out.finish_reason == "stop"
+        assert out.stop_reason == end
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == free
+    finally:
+        llm.shutdown()
+    s = Server(str(folder), *BASE)
+    try:
+        r = httpx.post(f"{s.url}/v1/completions", headers=H, timeout=60, json={
+            "prompt": [1000, 2000, 3000, 4000, 5000], "max_tokens": 8, "temperature": 1.0,
+            "seed": 7}).json()
+        assert r["usage"]["completion_tokens"] == k + 1 and r["choices"][0]["stop_reason"] == end
+    finally:
+        s.stop()
