@@ -17,11 +17,11 @@ from formwork.gateway.limits import check_text_fits, truncated_prompt
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_check import Verdict, check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
-from formwork.gateway.reasoning import END, ReasoningSplitter, split_reasoning, thinks_first
 from formwork.gateway.params import (chat_logprobs, chat_max_tokens, check_max_logprobs,
-                                     context_max_tokens, log_request, request_chat_template,
-                            explicit_prompt_logprobs, sampling_params, structured_from_request,
-                            validate_constraint)
+                                     context_max_tokens, explicit_prompt_logprobs, log_request,
+                                     request_chat_template, sampling_params,
+                                     structured_from_request, validate_constraint)
+from formwork.gateway.reasoning import END, ReasoningSplitter, split_reasoning, thinks_first
 from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
 from formwork.gateway.completion_logprobs import prompt_logprobs_field

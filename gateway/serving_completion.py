@@ -27,7 +27,7 @@ from formwork.gateway.output_check import check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.params import (check_max_logprobs, context_max_tokens,
                                      explicit_prompt_logprobs, log_request, sampling_params,
-                            structured_from_request, validate_constraint)
+                                     structured_from_request, validate_constraint)
 from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
 from formwork.schemas.openai import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo

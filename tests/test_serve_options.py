@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
 
 from formwork.gateway.serve_options import generation_defaults
-from test_server import CLI, KEY, ROOT, Server
+from test_server import KEY, Server
 
 BASE = ("--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory-gb", "0.05")
 H = {"Authorization": f"Bearer {KEY}"}
@@ -135,32 +133,6 @@ class TLSServer(Server):
         self.url = self.url.replace("http://", "https://")
 
 
-def test_tls(tiny_model_dir, tmp_path):
-    key, cert = _self_signed(tmp_path)
-    s = TLSServer(str(tiny_model_dir), *BASE, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert))
-    try:
-        r = _chat(s, verify=str(cert))
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
-        with pytest.raises(httpx.TransportError):       # plain http: no answer
-            httpx.get(s.url.replace("https://", "http://") + "/health", timeout=5)
-    finally:
-        s.stop()
-
-
-def test_default_cors_is_any_origin_and_a_plain_server_refuses_request_templates(tiny_model_dir):
-    s = Server(str(tiny_model_dir), *BASE)
-    try:
-        r = httpx.get(f"{s.url}/v1/models", headers={**H, "Origin": "https://any.example"},
-                      timeout=30)
-        assert r.headers["access-control-allow-origin"] == "*"
-        bad = _chat(s, chat_template="{{ messages }}")
-        assert bad.status_code == 400 and "--trust-request-chat-template" in bad.json()["error"]["message"]
-        lp = _chat(s, logprobs=True, top_logprobs=2).json()["choices"][0]["logprobs"]["content"]
-        assert not lp[0]["token"].startswith("token_id:")
-    finally:
-        s.stop()
-
-
 @pytest.mark.parametrize("flags,words", [
     (["--max-logprobs", "30"], "--max-logprobs"),
     (["--ssl-keyfile", "/nonexistent.pem", "--ssl-certfile", "/nonexistent.pem"], "--ssl-keyfile"),
@@ -170,11 +142,15 @@ def test_default_cors_is_any_origin_and_a_plain_server_refuses_request_templates
     (["--allowed-origins", "*"], "--allowed-origins"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
 ])
-def test_bad_flags_stop_the_start(flags, words):
-    r = subprocess.run([*CLI, "serve", *flags], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert words in r.stderr
+def test_bad_flags_stop_the_start(tiny_model_dir, flags, words, capsys):
+    """Exit 2 naming the flag, before any engine starts (in-process: the CLI's main)."""
+    from formwork.gateway.cli import main
+    try:
+        code = main(["serve", str(tiny_model_dir), *flags])
+    except SystemExit as e:           # argparse's own refusals
+        code = e.code
+    assert code == 2
+    assert words in capsys.readouterr().err
 
 
 def test_generation_defaults(tmp_path):
@@ -188,39 +164,62 @@ def test_generation_defaults(tmp_path):
     assert generation_defaults(str(tmp_path), None, {"top_k": 5})["top_k"] == 5
 
 
-def test_generation_config_end_ids_stop_requests(tiny_model_dir, tmp_path):
-    """The generation config's end ids beside the tokenizer's (Qwen's <|endoftext|>,
-    Llama 3's <|eom_id|>) stop generation as vLLM stops it, offline and served;
-    ignore_eos keeps going."""
+@pytest.fixture(scope="module")
+def ends(tiny_model_dir, tmp_path_factory):
+    """A copy of the tiny model whose generation config lists a second end id: one
+    that seeded sampling writes a few tokens in (folder, its position k, the id, the
+    tokens written without it)."""
     import shutil
 
     from formwork import LLM, SamplingParams
 
-    folder = tmp_path / "model"
+    folder = tmp_path_factory.mktemp("ends") / "model"
     shutil.copytree(tiny_model_dir, folder)
-    prompt = [{"prompt_token_ids": [1000, 2000, 3000, 4000, 5000]}]
-    greedy = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)   # varied
     llm = LLM(str(folder), engine_process=False, dtype="float32", num_kv_blocks=32)
     try:
-        free = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        free = llm.generate(PROMPT, SamplingParams(**SEEDED), use_tqdm=False)[0].outputs[0].token_ids
     finally:
         llm.shutdown()
     k = next(i for i, t in enumerate(free) if i and t not in free[:i])   # a new token
-    end = free[k]
     config = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, end]}))
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, free[k]]}))
+    return folder, k, free[k], free
+
+
+PROMPT = [{"prompt_token_ids": [1000, 2000, 3000, 4000, 5000]}]
+SEEDED = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)     # varied tokens
+
+
+def test_generation_config_end_ids_stop_offline_requests(ends):
+    """The generation config's end ids beside the tokenizer's (Qwen's <|endoftext|>,
+    Llama 3's <|eom_id|>) stop generation as vLLM stops it; ignore_eos keeps going."""
+    from formwork import LLM, SamplingParams
+
+    folder, k, end, free = ends
     llm = LLM(str(folder), engine_process=False, dtype="float32", num_kv_blocks=32)
     try:
-        out = llm.generate(prompt, greedy.clone(ignore_eos=False), use_tqdm=False)[0].outputs[0]
+        seeded = SamplingParams(**SEEDED)
+        out = llm.generate(PROMPT, seeded.clone(ignore_eos=False), use_tqdm=False)[0].outputs[0]
         assert out.token_ids == free[:k + 1] and out.finish_reason == "stop"
         assert out.stop_reason == end
-        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == free
+        assert llm.generate(PROMPT, seeded, use_tqdm=False)[0].outputs[0].token_ids == free
     finally:
         llm.shutdown()
-    s = Server(str(folder), *BASE)
+
+
+def test_tls_and_served_end_ids(ends, tmp_path):
+    """https with --ssl-keyfile / --ssl-certfile (plain http gets no answer); the
+    served model stops at its generation config's second end id too."""
+    folder, k, end, _ = ends
+    key, cert = _self_signed(tmp_path)
+    s = TLSServer(str(folder), *BASE, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert))
     try:
-        r = httpx.post(f"{s.url}/v1/completions", headers=H, timeout=60, json={
-            "prompt": [1000, 2000, 3000, 4000, 5000], "max_tokens": 8, "temperature": 1.0,
+        r = _chat(s, verify=str(cert))
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        with pytest.raises(httpx.TransportError):       # plain http: no answer
+            httpx.get(s.url.replace("https://", "http://") + "/health", timeout=5)
+        r = httpx.post(f"{s.url}/v1/completions", headers=H, timeout=60, verify=str(cert), json={
+            "prompt": PROMPT[0]["prompt_token_ids"], "max_tokens": 8, "temperature": 1.0,
             "seed": 7}).json()
         assert r["usage"]["completion_tokens"] == k + 1 and r["choices"][0]["stop_reason"] == end
     finally:

@@ -607,6 +607,17 @@ def test_oversized_requests_are_refused_fast_while_a_stream_flows(server):
     assert max(gaps[1:]) < 5.0, max(gaps[1:])
 
 
+def test_cors_by_default_answers_any_origin(server):
+    """vLLM's default --allowed-origins ["*"]: a browser page may call the API; the
+    preflight is answered before the key check."""
+    r = httpx.get(f"{server.url}/v1/models", timeout=30,
+                  headers={"Authorization": f"Bearer {KEY}", "Origin": "https://any.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    pre = httpx.options(f"{server.url}/v1/chat/completions", timeout=30, headers={
+        "Origin": "https://any.example", "Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(client, model, tokenizer):
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens, on both endpoints; a
     prompt longer than the context is cut instead of refused."""
