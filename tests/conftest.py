@@ -75,3 +75,14 @@ def tiny_model_dir(tmp_path_factory, request) -> pathlib.Path:
         if src.is_file():
             shutil.copy(src, out / name)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir):
+    """The offline LLM on the tiny model, in this process (one per test module)."""
+    from formwork import LLM
+
+    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=64,
+              block_size=8)
+    yield llm
+    llm.shutdown()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from formwork import LLM, BeamSearchParams
 from formwork.gateway.beam_search import BeamSearch, beam_score

@@ -21,11 +21,8 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=64,
-              block_size=8)
-    yield llm
-    llm.shutdown()
+def llm(tiny_llm):
+    return tiny_llm
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, seed=7)])

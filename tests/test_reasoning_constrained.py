@@ -22,7 +22,7 @@ import torch
 
 from formwork import LLM, SamplingParams, StructuredOutputsParams
 from formwork.gateway.reasoning import split_reasoning
-from formwork.grammar.backend import allocate_bitmask, allowed_token_ids
+from formwork.grammar.backend import allowed_token_ids
 from formwork.grammar.manager import StructuredOutputManager
 from test_server import KEY, Server
 

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import torch
 
-from formwork import LLM, SamplingParams, StructuredOutputsParams
+from formwork import SamplingParams, StructuredOutputsParams
 from formwork.gpu.sampler import (Sampler, SamplingBatch, allowed_tensors, bad_word_bans,
                                   logit_bias_tensors, mask_can_wait)
 from formwork.schemas.errors import ParamError
@@ -154,11 +154,8 @@ def test_bad_words_are_tokenized_alone_and_after_a_space(tokenizer):
 # ---- through the offline LLM (tiny random model) -------------------------------------------
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=64,
-              block_size=8)
-    yield llm
-    llm.shutdown()
+def llm(tiny_llm):
+    return tiny_llm
 
 
 PROMPT = [{"prompt_token_ids": [5, 6, 7, 8]}]
