@@ -13,7 +13,8 @@ import sys
 
 from formwork.gateway.engine_args import FLAGS, add_engine_arguments, engine_config
 from formwork.gateway.reasoning import PARSERS
-from formwork.gateway.serve_options import add_http_arguments, options_from_args
+from formwork.gateway.serve_options import (add_http_arguments, jinja_syntax_error,
+                                           options_from_args)
 from formwork.gateway.version import version
 
 
@@ -133,15 +134,11 @@ def serve(args: argparse.Namespace) -> int:
 def load_chat_template(spec: str) -> str:
     """--chat-template's text: a file's contents, else the argument itself (vLLM's
     rule); ValueError for a template Jinja cannot parse."""
-    import jinja2
-
     text = pathlib.Path(spec).read_text(encoding="utf-8") if os.path.isfile(spec) else spec
     if "{" not in text:
         raise ValueError(f"--chat-template: {spec!r} is neither a file nor a Jinja template")
-    try:
-        jinja2.Environment().parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template: not a valid Jinja template: {e}") from None
+    if (error := jinja_syntax_error(text)) is not None:
+        raise ValueError(f"--chat-template: not a valid Jinja template: {error}")
     return text
 
 

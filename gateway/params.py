@@ -9,6 +9,7 @@ import logging
 import msgspec
 
 from formwork.gateway.errors import APIError, bad_request
+from formwork.gateway.serve_options import jinja_syntax_error
 from formwork.gateway.tools import ToolMode, tool_constraint
 from formwork.grammar.selection import validate_params
 from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
@@ -293,11 +294,9 @@ def request_chat_template(state, template: str) -> str:
         raise bad_request("chat_template: a per-request chat template is not accepted (as vLLM "
                           "without --trust-request-chat-template); the model's own template is "
                           "used", param="chat_template")
-    import jinja2
-    try:
-        jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise bad_request(f"chat_template: not a Jinja template: {e}", param="chat_template") from None
+    if (error := jinja_syntax_error(template)) is not None:
+        raise bad_request(f"chat_template: not a valid Jinja template: {error}",
+                          param="chat_template")
     return template
 
 

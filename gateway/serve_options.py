@@ -113,6 +113,17 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--revision", default=None, help="accepted: local files only")
 
 
+def jinja_syntax_error(template: str) -> str | None:
+    """Why Jinja cannot parse `template` (a chat template from the command line or a
+    request), or None when it can."""
+    import jinja2
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        return str(e)
+    return None
+
+
 def generation_defaults(source: str, model_dir: str | None, override: dict | None) -> dict:
     """Sampling defaults (SamplingParams / request field names) from `source`: 'auto'
     (the model folder's generation_config.json), 'vllm' (none), or a folder holding
