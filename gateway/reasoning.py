@@ -93,6 +93,14 @@ class ReasoningSplitter:
                 break
         return "".join(reasoning), "".join(content)
 
+    def step(self, delta: str, last: bool) -> tuple[str, str]:
+        """`feed(delta)`, and at the output's last delta what `finish` releases too."""
+        reasoning, content = self.feed(delta)
+        if last:
+            more, tail = self.finish()
+            reasoning, content = reasoning + more, content + tail
+        return reasoning, content
+
     def finish(self) -> tuple[str, str]:
         """What is still held back, at the end of the output."""
         held, self._held = self._held, ""

@@ -147,12 +147,20 @@ def _usage(prompt_len: int, ro: RequestOutput) -> UsageInfo:
                      prompt_tokens_details={"cached_tokens": ro.num_cached_tokens})
 
 
+def split_thinking(prep: PreparedChat, text: str) -> tuple[str | None, str | None]:
+    """A whole output as (reasoning, the rest) under the request's reasoning parser;
+    (None, text) without one."""
+    if prep.reasoning is None:
+        return None, text
+    return split_reasoning(prep.reasoning, prep.prompt, text)
+
+
 def output_verdict(prep: PreparedChat, c: CompletionOutput, metrics: Metrics) -> Verdict | None:
     """Re-validates a finished choice (gateway/output_check.py) and counts the result;
     a constraint that applied after the thinking checks what follows it."""
     so, text = prep.params.structured_outputs, c.text
-    if so is not None and so.reasoning_end is not None and prep.reasoning is not None:
-        text = split_reasoning(prep.reasoning, prep.prompt, text)[1] or ""
+    if so is not None and so.reasoning_end is not None:
+        text = split_thinking(prep, text)[1] or ""
     verdict = check_output(so, prep.mode, text, c.finish_reason, c.stop_reason)
     if verdict is not None:
         metrics.observe_constrained(verdict.result)
@@ -161,9 +169,8 @@ def output_verdict(prep: PreparedChat, c: CompletionOutput, metrics: Metrics) ->
 
 def _choice(c: CompletionOutput, prep: PreparedChat, text: TokenText,
             verdict: Verdict | None = None) -> ChatChoice:
-    mode, thinking, body = prep.mode, None, c.text
-    if prep.reasoning is not None:
-        thinking, body = split_reasoning(prep.reasoning, prep.prompt, c.text)
+    mode = prep.mode
+    thinking, body = split_thinking(prep, c.text)
     content, calls = parse_tool_output(mode, body or "")
     if body is None and not calls:
         content = None
@@ -291,12 +298,8 @@ def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser, text: TokenTex
                    thinker: ReasoningSplitter | None = None) -> list[ChatStreamChoice]:
     """The chunks of one completion's delta: reasoning / content / tool calls, then the
     finish chunk (carrying the `formwork` verdict of a constrained choice)."""
-    thinking, body = "", c.delta_text
-    if thinker is not None:
-        thinking, body = thinker.feed(body)
-        if c.finish_reason is not None:
-            more, tail = thinker.finish()
-            thinking, body = thinking + more, body + tail
+    thinking, body = ("", c.delta_text) if thinker is None else \
+        thinker.step(c.delta_text, c.finish_reason is not None)
     content, calls = parser.feed(body)
     if c.finish_reason is not None:
         tail_content, tail_calls = parser.finish()

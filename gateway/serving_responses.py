@@ -22,13 +22,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from formwork.gateway.errors import APIError
 from formwork.gateway.metrics import RequestTimer
 from formwork.gateway.output_processor import RequestOutput
-from formwork.gateway.reasoning import ReasoningSplitter, split_reasoning
+from formwork.gateway.reasoning import ReasoningSplitter
 from formwork.gateway.responses_input import (chat_request, check_supported, input_messages,
                                               responses_error)
 from formwork.gateway.responses_store import ResponseStore, StoredResponse
 from formwork.gateway.serving import (ServerState, blame, generate_final, run_until_disconnect,
                                       stream_outputs)
-from formwork.gateway.serving_chat import PreparedChat, prepare_chat
+from formwork.gateway.serving_chat import PreparedChat, prepare_chat, split_thinking
 from formwork.gateway.tool_parser import ToolStreamParser, parse_tool_output
 from formwork.schemas.openai import ToolCall
 from formwork.schemas.responses import (FunctionCallItem, IncompleteDetails, OutputItem,
@@ -115,9 +115,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
     except APIError as e:
         raise responses_error(blame(e, prep.source)) from None
     c = final.outputs[0]
-    thinking, body = None, c.text
-    if prep.reasoning is not None:
-        thinking, body = split_reasoning(prep.reasoning, prep.prompt, c.text)
+    thinking, body = split_thinking(prep, c.text)
     content, calls = parse_tool_output(prep.mode, body or "")
     items = output_items(content, calls, c.finish_reason == "length", thinking)
     resp = _finish(base, items, c.finish_reason, _usage(len(prep.prompt_ids), final))
@@ -239,10 +237,7 @@ async def _stream(state: ServerState, store: ResponseStore, req: ResponsesReques
                 last, c = ro, ro.outputs[0]
                 body = c.delta_text
                 if thinker is not None:
-                    thinking, body = thinker.feed(body)
-                    if c.finish_reason is not None:
-                        more, tail = thinker.finish()
-                        thinking, body = thinking + more, body + tail
+                    thinking, body = thinker.step(body, c.finish_reason is not None)
                     for e in (w.reasoning(thinking) if thinking else []):
                         yield e
                 for e in w.feed(*parser.feed(body)):

@@ -258,7 +258,7 @@ class ModelRunner:
             allowed=(allowed_tensors([p.allowed_token_ids for p in ps], dev)
                      if any(p.allowed_token_ids for p in ps) else None),
             word_bans=(bad_word_bans([(p.bad_words_token_ids, s.token_ids[s.num_prompt_tokens:])
-                                      for s, p in zip(states, ps)])
-                       if any(p.bad_words_token_ids for p in ps) else None) or None,
+                                      for s, p in zip(states, ps)]) or None
+                       if any(p.bad_words_token_ids for p in ps) else None),
             restricted=col(restricted, torch.int64) if restricted else None,
         )

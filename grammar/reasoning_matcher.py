@@ -17,32 +17,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from formwork.grammar.backend import Matcher, allocate_bitmask
+from formwork.grammar.backend import Matcher, bitmask_words
 from formwork.grammar.vocab import TokenVocab
 
 
 def thinking_mask(vocab: TokenVocab, tokenizer, end_id: int) -> torch.Tensor:
     """[1, words] int32: the ordinary tokens, the added tokens that are not special
     (Qwen3's `<think>`, `<tool_call>`: text to the model) and `end_id`; not the
-    special ones (end of sequence, template markup)."""
-    mask = allocate_bitmask(1, vocab.vocab_size)
-    mask.zero_()
-    flat = mask.view(-1)
+    special ones (end of sequence, template markup). Built as the guards build their
+    rows (utf8_guard.py): a bool row packed into the little-endian int32 words."""
     special = set(getattr(tokenizer, "all_special_ids", []) or []) | {vocab.eos_token_id}
-    added = [i for i in (getattr(tokenizer, "added_tokens_decoder", {}) or {})
-             if i not in special and i < vocab.vocab_size]
-    ids = [i for i, b in enumerate(vocab.token_bytes) if b is not None] + added + [end_id]
-    idx = torch.tensor(ids, dtype=torch.int64)
-    words = (idx // 32).tolist()
-    bits = (idx % 32).tolist()
-    acc: dict[int, int] = {}
-    for w, b in zip(words, bits):
-        acc[w] = acc.get(w, 0) | (1 << b)
-    for w, v in acc.items():
-        flat[w] = v - (1 << 32) if v >= 1 << 31 else v      # int32 two's complement
-    return mask
+    allowed = np.zeros((1, bitmask_words(vocab.vocab_size) * 32), dtype=bool)
+    allowed[0, [i for i, b in enumerate(vocab.token_bytes) if b is not None]] = True
+    allowed[0, [i for i in (getattr(tokenizer, "added_tokens_decoder", {}) or {})
+                if i not in special and i < vocab.vocab_size]] = True
+    allowed[0, end_id] = True
+    return torch.from_numpy(np.packbits(allowed, axis=1, bitorder="little").view(np.int32))
 
 
 class ThinkFirstMatcher(Matcher):

@@ -81,3 +81,12 @@ def test_unknown_parser_is_refused():
     assert PARSERS == ("deepseek_r1", "qwen3")
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         ReasoningSplitter("granite")
+
+
+@pytest.mark.parametrize("parser,prompt,output,reasoning,content", CASES)
+def test_step_releases_what_is_held_at_the_last_delta(parser, prompt, output, reasoning, content):
+    s = ReasoningSplitter(parser, prompt)
+    half = len(output) // 2
+    r1, c1 = s.step(output[:half], last=False)
+    r2, c2 = s.step(output[half:], last=True)
+    assert ((r1 + r2) or None, (c1 + c2) or None) == (reasoning, content)
