@@ -8,18 +8,19 @@ model and the KV tensors.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from formwork.gpu.attention import AttentionBackend, allocate_kv_cache, kv_cache_bytes_per_block
-from formwork.gpu.attention_select import get_attention_backend
+from formwork.gpu.attention_select import get_attention_backend, resolve_backend_name
 from formwork.gpu.cpu_linear import pack_linears, packing_supported
 from formwork.gpu.cpu_threads import usable_cpus
 from formwork.gpu.loader import load_model
 from formwork.gpu.model import CPU_FUSED_OPS, CUDA_FUSED_OPS, ModelConfig
 from formwork.gpu.tensor_parallel import TPGroup, shard_config
-from formwork.kernels import cpu_fused_ops
+from formwork.kernels import cpu_decode_attention, cpu_fused_ops, cpu_sampling
 from formwork.schemas.config import EngineConfig
 
 log = logging.getLogger("formwork.executor")
@@ -102,6 +103,19 @@ def _num_blocks(config: EngineConfig, rank_cfg: ModelConfig, dtype: torch.dtype,
     return max(2, budget // per_block)
 
 
+def prebuild_cpu_kernels(config: EngineConfig, dtype: torch.dtype) -> None:
+    """Compile the C++ CPU extensions this engine will use side by side (each compile is
+    one single-threaded compiler process; all are cached after the first start), so
+    that a fresh machine's first start waits for the longest build, not their sum."""
+    wanted = [cpu_sampling.available]
+    if resolve_backend_name(config.attention_backend, "cpu") == "torch":
+        wanted.append(cpu_decode_attention.available)
+    if config.fused_elementwise and dtype == torch.bfloat16:
+        wanted.append(cpu_fused_ops.available)
+    with ThreadPoolExecutor(len(wanted), thread_name_prefix="kernel-build") as pool:
+        list(pool.map(lambda available: available(), wanted))
+
+
 def build_rank(config: EngineConfig, model_dir, device: torch.device,
                tp: TPGroup | None = None) -> RankState:
     """Load the model (this rank's shard under `tp`), switch on the CPU fast paths,
@@ -110,6 +124,8 @@ def build_rank(config: EngineConfig, model_dir, device: torch.device,
     dtype = resolve_dtype(config.dtype, device)
     mcfg = ModelConfig.from_dir(model_dir)
     rank_cfg = shard_config(mcfg, tp.size) if tp is not None else mcfg
+    if device.type == "cpu":
+        prebuild_cpu_kernels(config, dtype)
     backend = get_attention_backend(config.attention_backend, device)
     ops = None                        # the torch reference ops
     if config.fused_elementwise and device.type == "cuda":

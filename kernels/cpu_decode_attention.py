@@ -38,8 +38,8 @@ Xeon (bf16, 48 decodes of 100-850 keys) it was ~65% of a decode step. No
 maintained CPU paged-attention library installs beside torch 2.13 (IPEX tops
 out at torch 2.8; vLLM's CPU kernels come only with vLLM itself).
 
-The extension is built on first use with the machine's C++ compiler (torch's
-cpp_extension + ninja; ~30-60 s once, then cached per CPU feature set). If that
+The extension is built on first use with the machine's C++ compiler
+(kernels/cpu_ext.py: ~10 s once, then cached per CPU feature set). If that
 fails, `available()` is False and callers keep the torch path.
 """
 from __future__ import annotations
@@ -52,8 +52,6 @@ from formwork.kernels.cpu_ext import build
 from formwork.kernels.cpu_ext import failure as cpu_ext_failure
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <limits>

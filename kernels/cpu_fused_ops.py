@@ -26,8 +26,6 @@ from formwork.kernels.cpu_ext import build, failure as _failure
 
 _NAME = "formwork_fused"
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
 

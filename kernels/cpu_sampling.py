@@ -39,8 +39,6 @@ from formwork.kernels.cpu_ext import build, failure as _failure
 _NAME = "formwork_sampling"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]      # no -ffast-math: NaN/inf tests matter
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <cmath>
 #include <limits>
 #include <vector>

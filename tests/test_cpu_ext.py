@@ -1,0 +1,48 @@
+"""The C++ extension builder (kernels/cpu_ext.py): a built extension is loaded from
+the cache without compiling again, and a source that does not compile leaves the
+torch path with the compiler's message kept."""
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from formwork.kernels import cpu_ext, cpu_sampling
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler on this machine")
+
+
+def _fresh(monkeypatch):
+    monkeypatch.setattr(cpu_ext, "_built", {})
+    monkeypatch.setattr(cpu_ext, "_failures", {})
+
+
+def test_a_built_extension_loads_from_the_cache_without_the_compiler(monkeypatch):
+    assert cpu_sampling.available(), cpu_sampling.failure()      # built (or cached) here
+    _fresh(monkeypatch)
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError(f"compiled again: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    mod = cpu_ext.build(cpu_sampling._NAME, cpu_sampling._SOURCE, cpu_sampling._FUNCTIONS,
+                        cflags=cpu_sampling._CFLAGS)
+    assert mod is not None, cpu_ext.failure(cpu_sampling._NAME)
+    x = torch.randn(3, 1000)
+    values, indices = torch.empty(3), torch.empty(3, dtype=torch.int64)
+    mod.row_max(x, values, indices)
+    ref = x.max(-1)
+    assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)
+
+
+def test_a_source_that_does_not_compile_gives_none_and_the_compiler_message(monkeypatch, tmp_path):
+    _fresh(monkeypatch)
+    monkeypatch.setenv("FORMWORK_CACHE", str(tmp_path))
+    assert cpu_ext.build("formwork_broken", "int f( { return 1; }", ["f"]) is None
+    why = cpu_ext.failure("formwork_broken")
+    assert why.startswith("RuntimeError: compile failed") and "error" in why, why
+    # remembered: asking again does not compile again
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
+    assert cpu_ext.build("formwork_broken", "int f( { return 1; }", ["f"]) is None
+    assert not list((tmp_path / "kernels").glob("*.so"))            # nothing half-written kept
