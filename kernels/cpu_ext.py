@@ -41,6 +41,7 @@ _locks: dict[str, threading.Lock] = {}   # one per extension: different ones bui
 _built: dict[str, object] = {}
 _failures: dict[str, str] = {}
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+_BUILD = "compile and link apart"     # part of the cache key: a build rule change rebuilds
 
 # What every source sees first (load_inline's `torch/extension.h`, narrowed).
 _PRELUDE = """\
@@ -79,22 +80,34 @@ def _compiler() -> str:
 
 
 def compile_command(source_path: str, out_path: str, flags: list[str]) -> list[str]:
-    """The compiler's command line for one extension module (torch's and Python's
-    headers, torch's libraries)."""
+    """The compiler's command line for one extension's object file (torch's and
+    Python's headers)."""
     import torch
-    from torch.utils.cpp_extension import include_paths, library_paths
-    libs = library_paths()
+    from torch.utils.cpp_extension import include_paths
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [_compiler(), *flags, "-std=c++20", "-fPIC", "-shared", "-w",
+    return [_compiler(), *flags, "-std=c++20", "-fPIC", "-w", "-c",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *(f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]),
-            source_path, "-o", out_path, *(f"-L{p}" for p in libs),
-            "-lc10", "-ltorch_cpu", "-ltorch_python", *(f"-Wl,-rpath,{p}" for p in libs)]
+            source_path, "-o", out_path]
+
+
+def link_command(object_path: str, out_path: str) -> list[str]:
+    """The link of the extension module, against torch's libraries. Without the compile
+    flags: `-ffast-math` on a link pulls in crtfastmath.o, whose constructor sets
+    flush-to-zero for the whole process when the module loads (every float op of
+    torch, numpy and Python after it would lose subnormals), as load_inline's link did
+    not."""
+    from torch.utils.cpp_extension import library_paths
+    libs = library_paths()
+    return [_compiler(), "-shared", "-fopenmp", object_path, "-o", out_path,
+            *(f"-L{p}" for p in libs), "-lc10", "-ltorch_cpu", "-ltorch_python",
+            *(f"-Wl,-rpath,{p}" for p in libs)]
 
 
 def _key(flags: list[str], source: str) -> str:
     import torch
-    key = "\n".join([_cpu_flags(), " ".join(flags), _compiler(), sys.version, torch.__version__,
+    key = "\n".join([_BUILD, _cpu_flags(), " ".join(flags), _compiler(), sys.version,
+                     torch.__version__,
                      os.path.dirname(torch.__file__), source])
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
@@ -117,10 +130,13 @@ def _compile(module: str, source: str, flags: list[str]) -> pathlib.Path:
             src, out = os.path.join(tmp, f"{module}.cpp"), os.path.join(tmp, target.name)
             with open(src, "w") as f:
                 f.write(source)
-            proc = subprocess.run(compile_command(src, out, flags), capture_output=True,
-                                  text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"compile failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+            obj = os.path.join(tmp, f"{module}.o")
+            for step, cmd in (("compile", compile_command(src, obj, flags)),
+                              ("link", link_command(obj, out))):
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{step} failed ({proc.returncode}):\n"
+                                       f"{proc.stderr[-4000:]}")
             os.replace(out, target)
     return target
 

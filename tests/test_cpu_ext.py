@@ -46,3 +46,16 @@ def test_a_source_that_does_not_compile_gives_none_and_the_compiler_message(monk
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
     assert cpu_ext.build("formwork_broken", "int f( { return 1; }", ["f"]) is None
     assert not list((tmp_path / "kernels").glob("*.so"))            # nothing half-written kept
+
+
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """A -ffast-math link would pull in crtfastmath.o, which sets flush-to-zero for the
+    whole process when the module loads: torch's, numpy's and Python's own float math
+    would lose subnormals (hypothesis refuses to run then). The kernels are compiled
+    with -ffast-math, linked without it."""
+    from formwork.kernels import cpu_decode_attention, cpu_fused_ops
+    assert cpu_sampling.available() and cpu_fused_ops.available() and cpu_decode_attention.available()
+    tiny = 5e-324                                   # the smallest subnormal double
+    assert tiny * 1.0 > 0 and tiny / 2 == 0 and 1e-310 * 2 == 2e-310
+    t = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
+    assert (t * 1.0).item() > 0 and float(torch.finfo(torch.float32).smallest_normal / 2) > 0
