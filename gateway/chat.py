@@ -2,7 +2,8 @@
 
 A chat template that knows about tools (its source mentions `tools`) receives
 them through `apply_chat_template(tools=...)`. Templates without tool support
-(SmolLM2's plain ChatML is one) get a Hermes-style system prompt instead:
+(SmolLM2's plain ChatML is one) get a Hermes-style system prompt instead (under
+`--tool-call-parser llama3_json` it teaches that format's calls):
 
     <existing system prompt, if any>
 
@@ -24,7 +25,7 @@ import json
 from typing import Any
 
 from formwork.gateway.errors import bad_request
-from formwork.gateway.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolMode
+from formwork.gateway.tools import HERMES, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolFormat, ToolMode
 from formwork.schemas.openai import ChatMessage, ToolCall
 
 TOOLS_PROMPT = (
@@ -32,12 +33,19 @@ TOOLS_PROMPT = (
     "You may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n"
     "<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\n"
-    f"{TOOL_CALL_OPEN}\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n'
-    f"{TOOL_CALL_CLOSE}"
+    "{calls}"
 )
+# how each call format (gateway/tools.py ToolFormat) is taught
+_CALL_INSTRUCTIONS = {
+    "hermes": ("For each function call, return a json object with function name and arguments "
+               "within <tool_call></tool_call> XML tags:\n"
+               f"{TOOL_CALL_OPEN}\n"
+               '{"name": <function-name>, "arguments": <args-json-object>}\n'
+               f"{TOOL_CALL_CLOSE}"),
+    "llama3_json": ("For each function call, respond with a JSON object of the form "
+                    '{"name": <function-name>, "parameters": <args-json-object>}; '
+                    'separate several calls with "; ".'),
+}
 
 
 def template_supports_tools(tokenizer, template: str | dict | None = None) -> bool:
@@ -52,7 +60,8 @@ def template_supports_tools(tokenizer, template: str | dict | None = None) -> bo
 def tools_system_prompt(mode: ToolMode) -> str:
     lines = [json.dumps({"type": "function", "function": t.model_dump(exclude_none=True)},
                         ensure_ascii=False) for t in mode.tools]
-    return TOOLS_PROMPT.format(tools="\n".join(lines))
+    return TOOLS_PROMPT.format(tools="\n".join(lines),
+                               calls=_CALL_INSTRUCTIONS[mode.format.name])
 
 
 def _text_content(msg: ChatMessage, index: int) -> str:
@@ -88,14 +97,15 @@ def _calls(msg: ChatMessage) -> list[ToolCall]:
     return [ToolCall(function=msg.function_call)] if msg.function_call else []
 
 
-def _hermes_message(msg: ChatMessage, text: str) -> dict:
-    """One message with tool calls / results spelled out for a template without tools."""
+def _spelled_message(msg: ChatMessage, text: str, fmt: ToolFormat = HERMES) -> dict:
+    """One message with tool calls / results spelled out for a template without tools
+    (calls in the server's format)."""
     role = _ROLES.get(msg.role, msg.role)
     if msg.role == "assistant" and (calls := _calls(msg)):
-        spelled = [f"{TOOL_CALL_OPEN}\n" + json.dumps(
-            {"name": c.function.name, "arguments": _arguments_obj(c.function.arguments)},
-            ensure_ascii=False) + f"\n{TOOL_CALL_CLOSE}" for c in calls]
-        text = "\n".join(([text] if text else []) + spelled)
+        spelled = fmt.separator.join(fmt.spell(c.function.name,
+                                               _arguments_obj(c.function.arguments))
+                                     for c in calls)
+        text = "\n".join(([text] if text else []) + [spelled])
     if role == "tool":
         text = f"<tool_response>\n{text}\n</tool_response>"
     return {"role": role, "content": text}
@@ -117,8 +127,11 @@ def _native_message(msg: ChatMessage, text: str) -> dict:
 
 def render_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: bool) -> list[dict]:
     """Plain dict messages for `apply_chat_template`; adds the tools prompt when needed."""
-    convert = _native_message if native_tools else _hermes_message
-    out = [convert(m, _text_content(m, i)) for i, m in enumerate(messages)]
+    if native_tools:
+        out = [_native_message(m, _text_content(m, i)) for i, m in enumerate(messages)]
+    else:
+        out = [_spelled_message(m, _text_content(m, i), mode.format)
+               for i, m in enumerate(messages)]
     if mode.in_prompt and not native_tools:
         section = tools_system_prompt(mode)
         if out and out[0]["role"] == "system":

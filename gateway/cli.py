@@ -15,6 +15,7 @@ from formwork.gateway.engine_args import FLAGS, add_engine_arguments, engine_con
 from formwork.gateway.reasoning import PARSERS
 from formwork.gateway.serve_options import (add_http_arguments, jinja_syntax_error,
                                            options_from_args)
+from formwork.gateway.tools import TOOL_FORMATS
 from formwork.gateway.version import version
 
 
@@ -73,8 +74,11 @@ def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"accepted: {why}")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="= --no-prefix-caching")
-    g.add_argument("--tool-call-parser", choices=("hermes",), default=None,
-                   help="tool calls are Hermes-style <tool_call> JSON, the only parser")
+    g.add_argument("--tool-call-parser", choices=tuple(TOOL_FORMATS), default=None,
+                   help="how the model writes tool calls in free text (tool_choice auto): "
+                        "hermes (<tool_call>{...}</tool_call>, the default: Qwen, Hermes, "
+                        "formwork's own tools prompt) or llama3_json ({\"name\": ..., "
+                        "\"parameters\": ...}: Llama 3.1-3.3's templates)")
     g.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="a thinking model's <think>...</think> text goes to the chat "
                         "message's `reasoning` (and `reasoning_content`), the rest to "

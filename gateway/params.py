@@ -300,6 +300,18 @@ def request_chat_template(state, template: str) -> str:
     return template
 
 
+def template_kwargs(state, req) -> dict | None:
+    """The chat template's keyword arguments of a chat (or /tokenize) request: its
+    `chat_template_kwargs`, its `reasoning_effort` (the former's own value wins) and
+    its own `chat_template` (trusted servers only)."""
+    kwargs = req.chat_template_kwargs
+    if req.reasoning_effort is not None:
+        kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
+    if req.chat_template is not None:
+        kwargs = {**(kwargs or {}), "chat_template": request_chat_template(state, req.chat_template)}
+    return kwargs
+
+
 def log_request(state, request_id: str, prompt: str | None, params) -> None:
     """--enable-log-requests: one line per generation request (the prompt cut to
     --max-log-len characters)."""

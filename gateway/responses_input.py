@@ -18,25 +18,50 @@ from pydantic import ValidationError
 
 from formwork.gateway.errors import APIError, bad_request
 from formwork.schemas.openai import ChatCompletionRequest
-from formwork.schemas.responses import UNSUPPORTED_FIELDS, ResponsesRequest
+from formwork.schemas.responses import (INCLUDES, REASONING_EFFORTS, REASONING_SUMMARIES,
+                                        UNSUPPORTED_FIELDS, ResponsesRequest)
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # chat-request field -> Responses field, in the order tried (longest first)
 _RENAMES = (("response_format.json_schema.schema", "text.format.schema"),
             ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-            ("max_completion_tokens", "max_output_tokens"), ("messages", "input"))
+            ("max_completion_tokens", "max_output_tokens"), ("messages", "input"),
+            ("reasoning_effort", "reasoning.effort"))
 
 
 def check_supported(req: ResponsesRequest) -> None:
-    """400 naming the first field formwork does not implement that the request sets."""
+    """400 naming the first field formwork does not implement that the request sets,
+    or an option it takes with a value it does not know."""
     for field, unused in UNSUPPORTED_FIELDS.items():
         value = getattr(req, field)
-        if isinstance(value, dict) and all(v is None for v in value.values()):
-            continue                         # e.g. reasoning: {} or {"effort": null}
         if value not in (unused if isinstance(unused, tuple) else (unused,)):
             raise bad_request(f"{field}: is not supported by this server (got {value!r})",
                               param=field)
+    allowed = {"effort": REASONING_EFFORTS, "summary": REASONING_SUMMARIES,
+               "generate_summary": REASONING_SUMMARIES}      # the older name of summary
+    for key, value in (req.reasoning or {}).items():
+        if key not in allowed:
+            raise bad_request(f"reasoning.{key}: unknown option (reasoning takes "
+                              f"{', '.join(allowed)})", param=f"reasoning.{key}")
+        if value is not None and value not in allowed[key]:
+            raise bad_request(f"reasoning.{key}: must be one of {', '.join(allowed[key])}, "
+                              f"got {value!r}", param=f"reasoning.{key}")
+    for i, value in enumerate(req.include or ()):
+        if value not in INCLUDES:
+            raise bad_request(f"include[{i}]: unknown value {value!r} (one of "
+                              f"{', '.join(INCLUDES)})", param="include")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise bad_request(f"top_logprobs: must be between 0 and 20, got {req.top_logprobs}",
+                          param="top_logprobs")
+    if req.max_tool_calls is not None and req.max_tool_calls < 1:
+        raise bad_request(f"max_tool_calls: must be at least 1, got {req.max_tool_calls}",
+                          param="max_tool_calls")
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """output_text logprobs: asked by `include` or by a top_logprobs above 0."""
+    return "message.output_text.logprobs" in (req.include or ()) or bool(req.top_logprobs)
 
 
 def _text(content: Any, param: str) -> str:
@@ -163,7 +188,9 @@ def chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatComplet
             "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
             "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
             "response_format": chat_response_format(req.text), "stream": req.stream,
-            "user": req.user}
+            "user": req.user, "reasoning_effort": (req.reasoning or {}).get("effort")}
+    if wants_logprobs(req):
+        body |= {"logprobs": True, "top_logprobs": req.top_logprobs or 0}
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
@@ -190,3 +217,10 @@ def responses_error(err: APIError) -> APIError:
     elif err.param == "messages":            # the context-length message names its field
         message = message.replace("the messages", "the input")
     return APIError(err.status, message, type=err.type, param=new_param, code=err.code)
+
+
+def truncation_starts(conversation: list[dict]) -> list[int]:
+    """Where `truncation: "auto"` may start the conversation, longest first: at a later
+    user message (chat templates want the conversation to open with one; a tool result
+    never loses the call before it)."""
+    return [i for i in range(1, len(conversation)) if conversation[i].get("role") == "user"]

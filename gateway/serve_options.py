@@ -46,6 +46,8 @@ class RequestOptions:
     # sampling defaults for fields a request leaves out: where from, and on top
     generation_config: str = "auto"
     override_generation_config: dict = field(default_factory=dict)
+    # how tool calls are written in free text (gateway/tools.py TOOL_FORMATS)
+    tool_call_parser: str = "hermes"
 
 
 def _json_list(text: str) -> list[str]:
@@ -182,5 +184,6 @@ def options_from_args(args: argparse.Namespace) -> tuple[HTTPOptions, RequestOpt
     requests = RequestOptions(args.return_tokens_as_token_ids, args.max_logprobs,
                               args.trust_request_chat_template, args.enable_log_requests,
                               args.max_log_len, args.generation_config,
-                              args.override_generation_config or {})
+                              args.override_generation_config or {},
+                              getattr(args, "tool_call_parser", None) or "hermes")
     return http, requests

@@ -15,9 +15,12 @@ from formwork.gateway.engine_client import EngineClient, EngineRequestError
 from formwork.gateway.errors import APIError
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_processor import RequestOutput
+from formwork.gateway.reasoning import END
 from formwork.gateway.serve_options import RequestOptions
 from formwork.gateway.tokenizer_pool import TokenizerPool
+from formwork.gateway.tools import TOOL_FORMATS, ToolFormat
 from formwork.schemas.sampling import SamplingParams
+from formwork.schemas.structured import reasoning_end_id
 
 T = TypeVar("T")
 
@@ -39,6 +42,18 @@ class ServerState:
     default_sampling: dict = field(default_factory=dict)   # for fields a request leaves out
     # the generation config's end ids beside the tokenizer's: stop ids of every request
     extra_stop_ids: tuple[int, ...] = ()
+    _reasoning_end: list = field(default_factory=list, repr=False)   # reasoning_end_token's
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How tool calls are written in free text (--tool-call-parser)."""
+        return TOOL_FORMATS[self.options.tool_call_parser]
+
+    def reasoning_end_token(self) -> int | None:
+        """The id of `</think>` when the tokenizer writes it as one token (asked once)."""
+        if not self._reasoning_end:
+            self._reasoning_end.append(reasoning_end_id(self.tokenizer, END))
+        return self._reasoning_end[0]
 
     async def run_tokenizer(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """`fn(tokenizer, *args)` on a tokenizer worker thread (its own tokenizer copy);

@@ -19,7 +19,7 @@ from formwork.gateway.output_check import Verdict, check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.params import (chat_logprobs, chat_max_tokens, check_max_logprobs,
                                      context_max_tokens, explicit_prompt_logprobs, log_request,
-                                     request_chat_template, sampling_params,
+                                     sampling_params, template_kwargs,
                                      structured_from_request, validate_constraint)
 from formwork.gateway.reasoning import END, ReasoningSplitter, split_reasoning, thinks_first
 from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
@@ -33,7 +33,6 @@ from formwork.schemas.openai import (ChatChoice, ChatCompletionChunk, ChatComple
                             ResponseMessage, TokenLogprob, TopLogprob, UsageInfo)
 from formwork.schemas.openai_base import random_id
 from formwork.schemas.sampling import SamplingParams
-from formwork.schemas.structured import reasoning_end_id
 
 
 @dataclass(slots=True)
@@ -65,7 +64,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
         raise bad_request("continue_final_message: cannot be used together with "
                           "add_generation_prompt=true; set add_generation_prompt to false",
                           param="continue_final_message")
-    mode = resolve_tool_mode(req)
+    mode = resolve_tool_mode(req, state.tool_format)
     structured, source = structured_from_request(req, mode)
     if req.use_beam_search:
         check_beam_request(req, source, chat=True)
@@ -75,12 +74,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     if req.truncate_prompt_tokens is None:     # a truncated prompt may be longer (body limit)
         check_text_fits((t for m in req.messages for t in _texts(m.content)),
                         state.max_model_len, state.max_token_chars, "messages")
-    template_kwargs = req.chat_template_kwargs
-    if req.chat_template is not None:
-        template_kwargs = {**(template_kwargs or {}),
-                           "chat_template": request_chat_template(state, req.chat_template)}
     prompt, ids = await state.run_tokenizer(
-        build_chat_prompt, req.messages, mode, template_kwargs,
+        build_chat_prompt, req.messages, mode, template_kwargs(state, req),
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template)
     kept = truncated_prompt(ids, req.truncate_prompt_tokens, state.max_model_len)
@@ -118,7 +113,7 @@ def _reasoning(state: ServerState, req: ChatCompletionRequest, mode: ToolMode, p
         return None
     if so is None or (mode.kind == "auto" and structured_from_request(req)[0] is None):
         return parser
-    if reasoning_end_id(state.tokenizer, END) is None or not thinks_first(prompt):
+    if state.reasoning_end_token() is None or not thinks_first(prompt):
         return None
     so.reasoning_end = END
     return "deepseek_r1"
@@ -140,11 +135,39 @@ def chat_logprobs_obj(lps: list[TokenLogprobs] | None, text: TokenText) -> Choic
     return ChoiceLogprobs(content=content)
 
 
-def _usage(prompt_len: int, ro: RequestOutput) -> UsageInfo:
+def _usage(state: ServerState, prep: PreparedChat, ro: RequestOutput) -> UsageInfo:
+    prompt_len = len(prep.prompt_ids)
     completion = sum(len(c.token_ids) for c in ro.outputs)
+    details = None
+    if prep.reasoning is not None:
+        details = {"reasoning_tokens": sum(reasoning_tokens(state, prep, c) for c in ro.outputs)}
     return UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion,
                      total_tokens=prompt_len + completion,
-                     prompt_tokens_details={"cached_tokens": ro.num_cached_tokens})
+                     prompt_tokens_details={"cached_tokens": ro.num_cached_tokens},
+                     completion_tokens_details=details)
+
+
+def reasoning_tokens(state: ServerState, prep: PreparedChat, c: CompletionOutput) -> int:
+    """The output tokens of `c`'s thinking, its closing tag included: all of them when
+    the thinking never ended; 0 without thinking."""
+    if split_thinking(prep, c.text)[0] is None:
+        return 0
+    end = c.text.find(END)
+    if end < 0:
+        return len(c.token_ids)
+    end_id = state.reasoning_end_token()
+    if end_id is not None and end_id in c.token_ids:
+        return c.token_ids.index(end_id) + 1
+    # the tag is plain text in this vocabulary: the shortest prefix of the output whose
+    # text holds it (a search over prefix lengths, each decoded)
+    lo, hi = 1, len(c.token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if END in state.tokenizer.decode(c.token_ids[:mid], skip_special_tokens=True):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def split_thinking(prep: PreparedChat, text: str) -> tuple[str | None, str | None]:
@@ -206,7 +229,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     choices = [_choice(c, prep, text, output_verdict(prep, c, state.metrics))
                for c in final.outputs]
     resp = ChatCompletionResponse(id=request_id, model=prep.model, choices=choices,
-                                  usage=_usage(len(prep.prompt_ids), final),
+                                  usage=_usage(state, prep, final),
                                   prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs))
     data = resp.model_dump(mode="json")
     drop_unset(data["choices"])
@@ -289,7 +312,7 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
         yield sse("[DONE]")
         return
     if include_usage and last is not None:
-        yield _chunk(request_id, created, model, None, True, _usage(prompt_len, last))
+        yield _chunk(request_id, created, model, None, True, _usage(state, prep, last))
     yield sse("[DONE]")
 
 

@@ -24,11 +24,12 @@ from formwork.gateway.metrics import RequestTimer
 from formwork.gateway.output_processor import RequestOutput
 from formwork.gateway.reasoning import ReasoningSplitter
 from formwork.gateway.responses_input import (chat_request, check_supported, input_messages,
-                                              responses_error)
+                                              responses_error, truncation_starts)
 from formwork.gateway.responses_store import ResponseStore, StoredResponse
-from formwork.gateway.serving import (ServerState, blame, generate_final, run_until_disconnect,
-                                      stream_outputs)
-from formwork.gateway.serving_chat import PreparedChat, prepare_chat, split_thinking
+from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
+                                      run_until_disconnect, stream_outputs)
+from formwork.gateway.serving_chat import (PreparedChat, chat_logprobs_obj, prepare_chat,
+                                           reasoning_tokens, split_thinking)
 from formwork.gateway.tool_parser import ToolStreamParser, parse_tool_output
 from formwork.schemas.openai import ToolCall
 from formwork.schemas.responses import (FunctionCallItem, IncompleteDetails, OutputItem,
@@ -45,13 +46,24 @@ def _base(req: ResponsesRequest, model: str) -> ResponseObject:
         temperature=req.temperature, top_p=req.top_p,
         text=req.text if req.text and req.text.get("format") else {"format": {"type": "text"}},
         tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
-        tools=req.tools or [], user=req.user, metadata=req.metadata or {})
+        tools=req.tools or [], user=req.user, metadata=req.metadata or {},
+        reasoning=req.reasoning, truncation=req.truncation or "disabled",
+        top_logprobs=req.top_logprobs, max_tool_calls=req.max_tool_calls)
 
 
-def _usage(prompt_len: int, ro: RequestOutput) -> ResponseUsage:
+def _usage(state: ServerState, prep: PreparedChat, ro: RequestOutput) -> ResponseUsage:
+    prompt_len = len(prep.prompt_ids)
     out = sum(len(c.token_ids) for c in ro.outputs)
+    thinking = sum(reasoning_tokens(state, prep, c) for c in ro.outputs)
     return ResponseUsage(input_tokens=prompt_len, output_tokens=out, total_tokens=prompt_len + out,
-                         input_tokens_details={"cached_tokens": ro.num_cached_tokens})
+                         input_tokens_details={"cached_tokens": ro.num_cached_tokens},
+                         output_tokens_details={"reasoning_tokens": thinking})
+
+
+def _logprobs(state: ServerState, prep: PreparedChat, lps) -> list[dict]:
+    """output_text logprobs (chat's token entries) of `lps`."""
+    obj = chat_logprobs_obj(lps, TokenText(state.tokenizer, prep.token_ids_as_names))
+    return [] if obj is None else [e.model_dump(mode="json") for e in obj.content]
 
 
 def _finish(resp: ResponseObject, items: list[OutputItem], finish_reason: str | None,
@@ -101,10 +113,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
     history = (store.get(req.previous_response_id).conversation
                if req.previous_response_id is not None else [])
     conversation = history + input_messages(req.input)
-    try:
-        prep = await prepare_chat(state, chat_request(req, conversation))
-    except APIError as e:
-        raise responses_error(e) from None
+    prep = await _prepare(state, req, conversation)
     base, timer = _base(req, prep.model), RequestTimer()
     if req.stream:
         events = _stream(state, store, req, prep, conversation, base, timer)
@@ -118,9 +127,41 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
     thinking, body = split_thinking(prep, c.text)
     content, calls = parse_tool_output(prep.mode, body or "")
     items = output_items(content, calls, c.finish_reason == "length", thinking)
-    resp = _finish(base, items, c.finish_reason, _usage(len(prep.prompt_ids), final))
+    if c.logprobs is not None:          # the tokens after the thinking
+        for item in items:
+            if isinstance(item, OutputMessage):
+                lps = c.logprobs[reasoning_tokens(state, prep, c):]
+                item.content[0].logprobs = _logprobs(state, prep, lps)
+    resp = _finish(base, items, c.finish_reason, _usage(state, prep, final))
     _save(store, req, conversation, resp)
     return JSONResponse(resp.model_dump(mode="json"))
+
+
+async def _prepare(state: ServerState, req: ResponsesRequest,
+                   conversation: list[dict]) -> PreparedChat:
+    """The chat path's preparation of `conversation`; under `truncation: "auto"` a
+    conversation too long for the context loses its first items (the fewest that make
+    it fit: a search over the places it may start), as OpenAI's truncation does."""
+    try:
+        return await prepare_chat(state, chat_request(req, conversation))
+    except APIError as e:
+        if req.truncation != "auto" or e.code != "context_length_exceeded":
+            raise responses_error(e) from None
+        too_long = e
+    starts, best = truncation_starts(conversation), None
+    lo, hi = 0, len(starts) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        try:
+            best = await prepare_chat(state, chat_request(req, conversation[starts[mid]:]))
+            hi = mid - 1
+        except APIError as e:
+            if e.code != "context_length_exceeded":
+                raise responses_error(e) from None
+            lo = mid + 1
+    if best is None:
+        raise responses_error(too_long) from None
+    return best
 
 
 class EventWriter:
@@ -154,13 +195,14 @@ class EventWriter:
     def _where(self) -> dict:
         return {"item_id": self.open.id, "output_index": len(self.items) - 1, "content_index": 0}
 
-    def text(self, delta: str) -> list[str]:
+    def text(self, delta: str, logprobs: list[dict] | None = None) -> list[str]:
         out = [] if isinstance(self.open, OutputMessage) else self.close("completed")
         if not isinstance(self.open, OutputMessage):
             out += self._added(OutputMessage(content=[OutputText()]))
         self.open.content[0].text += delta
+        self.open.content[0].logprobs += logprobs or []
         return out + [self.event("response.output_text.delta", **self._where(), delta=delta,
-                                 logprobs=[])]
+                                 logprobs=logprobs or [])]
 
     def reasoning(self, delta: str) -> list[str]:
         out = [] if isinstance(self.open, ReasoningItem) else self.close("completed")
@@ -188,7 +230,7 @@ class EventWriter:
             part = item.content[0]
             if isinstance(item, OutputMessage):
                 out.append(self.event("response.output_text.done", **self._where(),
-                                      text=part.text, logprobs=[]))
+                                      text=part.text, logprobs=part.logprobs))
             else:
                 out.append(self.event("response.reasoning_text.done", **self._where(),
                                       text=part.text))
@@ -210,9 +252,10 @@ class EventWriter:
             return []
         return self.close("completed") + self._added(OutputMessage(content=[OutputText()]))
 
-    def feed(self, content: str | None, calls) -> list[str]:
-        """One parsed delta (ToolStreamParser's content and DeltaToolCalls) as events."""
-        out = self.text(content) if content else []
+    def feed(self, content: str | None, calls, logprobs: list[dict] | None = None) -> list[str]:
+        """One parsed delta (ToolStreamParser's content and DeltaToolCalls) as events;
+        `logprobs`: the output_text logprobs that go with its text."""
+        out = self.text(content, logprobs) if content else []
         for d in calls:
             if d.id is not None:
                 out += self.call(d.id, d.function.name)
@@ -230,20 +273,24 @@ async def _stream(state: ServerState, store: ResponseStore, req: ResponsesReques
     yield w.event("response.in_progress", response=shown)
     parser, last = ToolStreamParser(prep.mode), None
     thinker = ReasoningSplitter(prep.reasoning, prep.prompt) if prep.reasoning else None
+    pending: list = []          # token logprobs not yet sent with a text delta
     try:
         async with contextlib.aclosing(stream_outputs(
                 state, base.id, prep.prompt, prep.prompt_ids, prep.params, timer)) as outs:
             async for ro in outs:
                 last, c = ro, ro.outputs[0]
-                body = c.delta_text
+                body, thinking = c.delta_text, None
                 if thinker is not None:
                     thinking, body = thinker.step(body, c.finish_reason is not None)
                     for e in (w.reasoning(thinking) if thinking else []):
                         yield e
-                for e in w.feed(*parser.feed(body)):
-                    yield e
-                if c.finish_reason is not None:
-                    for e in w.feed(*parser.finish()):
+                if c.delta_logprobs and not (thinking and not body):   # not the thinking's
+                    pending += c.delta_logprobs
+                parts = [parser.feed(body)] + ([parser.finish()] if c.finish_reason else [])
+                for content, calls in parts:
+                    lps = _logprobs(state, prep, pending) if content and pending else None
+                    pending = [] if lps is not None else pending
+                    for e in w.feed(content, calls, lps):
                         yield e
     except APIError as e:
         err = responses_error(blame(e, prep.source))
@@ -257,7 +304,7 @@ async def _stream(state: ServerState, store: ResponseStore, req: ResponsesReques
         yield e
     for e in w.close("incomplete" if reason == "length" else "completed"):
         yield e
-    resp = _finish(base, w.items, reason, _usage(len(prep.prompt_ids), last))
+    resp = _finish(base, w.items, reason, _usage(state, prep, last))
     _save(store, req, conversation, resp)
     done = "response.incomplete" if resp.status == "incomplete" else "response.completed"
     yield w.event(done, response=resp.model_dump(mode="json"))

@@ -2,7 +2,8 @@
 
     /tokenize   {model?, prompt, add_special_tokens=true, return_token_strs?}
               | {model?, messages, add_generation_prompt=true, continue_final_message=false,
-                 add_special_tokens=false, chat_template_kwargs?, tools?, tool_choice?}
+                 add_special_tokens=false, chat_template_kwargs?, chat_template?,
+                 reasoning_effort?, tools?, tool_choice?}
              -> {count, max_model_len, tokens, token_strs}
     /detokenize {model?, tokens} -> {prompt}
 
@@ -18,8 +19,9 @@ from pydantic import ValidationError
 
 from formwork.gateway.chat import build_chat_prompt
 from formwork.gateway.errors import bad_request
+from formwork.gateway.params import template_kwargs
 from formwork.gateway.serving import ServerState
-from formwork.gateway.tools import resolve_tool_mode
+from formwork.gateway.tools import HERMES, ToolFormat, resolve_tool_mode
 from formwork.schemas.openai_tokenize import (DetokenizeRequest, DetokenizeResponse,
                                               TokenizeChatRequest, TokenizeCompletionRequest,
                                               TokenizeResponse)
@@ -36,19 +38,21 @@ def parse_tokenize_request(body: dict[str, Any]) -> TokenizeChatRequest | Tokeni
                                       for err in e.errors()]) from None
 
 
-def _chat_ids(tokenizer, req: TokenizeChatRequest) -> list[int]:
-    _, ids = build_chat_prompt(tokenizer, req.messages, resolve_tool_mode(req),
-                               req.chat_template_kwargs,
+def _chat_ids(tokenizer, req: TokenizeChatRequest, kwargs: dict | None,
+              fmt: ToolFormat) -> list[int]:
+    _, ids = build_chat_prompt(tokenizer, req.messages, resolve_tool_mode(req, fmt), kwargs,
                                add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
-                               add_special_tokens=req.add_special_tokens)
+                               add_special_tokens=req.add_special_tokens,
+                               chat_template=req.chat_template)
     return ids
 
 
-def _tokenize(tokenizer, req: TokenizeChatRequest | TokenizeCompletionRequest
+def _tokenize(tokenizer, req: TokenizeChatRequest | TokenizeCompletionRequest,
+              kwargs: dict | None = None, fmt: ToolFormat = HERMES
               ) -> tuple[list[int], list[str] | None]:
     if isinstance(req, TokenizeChatRequest):
-        ids = _chat_ids(tokenizer, req)
+        ids = _chat_ids(tokenizer, req, kwargs, fmt)
     else:
         ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
     return ids, (tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None)
@@ -63,7 +67,8 @@ async def tokenize(state: ServerState, body: dict[str, Any]) -> TokenizeResponse
         raise bad_request("continue_final_message: cannot be used together with "
                           "add_generation_prompt=true; set add_generation_prompt to false",
                           param="continue_final_message")
-    ids, strs = await state.run_tokenizer(_tokenize, req)
+    kwargs = template_kwargs(state, req) if isinstance(req, TokenizeChatRequest) else None
+    ids, strs = await state.run_tokenizer(_tokenize, req, kwargs, state.tool_format)
     return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
                             token_strs=strs)
 

@@ -1,18 +1,16 @@
 """Tool calls parsed back out of an output, whole (`parse_tool_output`) or as it
-streams (`ToolStreamParser`), for the modes and the Hermes format of
-gateway/tools.py: an unparseable call stays content, and without parallel calls
-only the first is kept.
+streams (`ToolStreamParser`), for the modes and the call formats (Hermes, Llama 3
+JSON) of gateway/tools.py: an unparseable call stays content, and without parallel
+calls only the first is kept.
 """
 from __future__ import annotations
 
 import json
-import re
 
-from formwork.gateway.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolMode
+from formwork.gateway.tools import ToolFormat, ToolMode
 from formwork.schemas.openai import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from formwork.schemas.openai_base import random_id
 
-_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
 class _Number(str):
@@ -67,19 +65,71 @@ def parse_tool_output(mode: ToolMode, text: str) -> tuple[str | None, list[ToolC
             return text, []
         return None, calls
     if mode.kind == "auto" and mode.tools:
-        calls, content, last = [], [], 0
-        for m in _CALL_RE.finditer(text):
-            call = _call_from_json(m.group(1).strip())
+        fmt, calls, content, last, at = mode.format, [], [], 0, 0
+        while (start := text.find(fmt.trigger, at)) >= 0:
+            call, end = _call_at(fmt, text, start)
             if call is None:
+                at = start + 1
                 continue
-            content.append(text[last:m.start()])
-            last = m.end()
+            content.append(text[last:start])
+            last = at = _after_separator(fmt, text, end)
             if mode.parallel or not calls:
                 calls.append(call)
         content.append(text[last:])
         joined = "".join(content).strip() if calls else "".join(content)
         return (joined or None), calls
     return text, []
+
+
+def _call_at(fmt: ToolFormat, text: str, start: int) -> tuple[ToolCall | None, int | None]:
+    """The call that starts at `start` (where `fmt.trigger` is) and the index after it:
+    (None, None) when it is not finished yet, (None, end) when what ends at `end` is
+    not a call."""
+    if fmt.close:                                     # tags around the JSON
+        close = fmt.close.strip()
+        end = text.find(close, start)
+        if end < 0:
+            return None, None
+        return _call_from_json(text[start + len(fmt.open.strip()):end].strip()), end + len(close)
+    end = _object_end(text, start)                    # a bare JSON object
+    if end is None:
+        return None, None
+    return _call_from_json(text[start:end]), end
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """The index after the JSON object opening at `start` (brackets counted outside
+    strings), or None when the text ends first."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _after_separator(fmt: ToolFormat, text: str, end: int) -> int:
+    """`end` moved past the separator between calls (Llama's "; "), if one follows."""
+    sep = fmt.separator.strip()
+    if sep:
+        rest = text[end:]
+        stripped = rest.lstrip()
+        if stripped.startswith(sep):
+            return end + len(rest) - len(stripped) + len(sep)
+    return end
 
 
 def finish_reason_with_tools(engine_reason: str | None, num_calls: int, mode: ToolMode,
@@ -105,6 +155,8 @@ class ToolStreamParser:
         self.num_calls = 0
         self._buf = ""           # auto: text not yet sent; required: everything
         self._in_call = False
+        self._after_call = False   # auto: a call just ended; its separator may follow
+        self._held = ""            # auto: whitespace before the call being written
 
     def feed(self, delta: str) -> tuple[str | None, list[DeltaToolCall]]:
         kind = self.mode.kind
@@ -126,6 +178,8 @@ class ToolStreamParser:
         rest, self._buf = self._buf, ""
         if self.num_calls and not self._in_call:
             rest = rest.rstrip()
+        elif self._in_call and rest:         # a call that never finished: text after all
+            rest = self._held + rest
         return (rest or None), []
 
     def _named(self, delta: str) -> list[DeltaToolCall]:
@@ -146,28 +200,45 @@ class ToolStreamParser:
         return d
 
     def _auto(self, delta: str) -> tuple[str | None, list[DeltaToolCall]]:
+        fmt = self.mode.format
         self._buf += delta
         content, calls = "", []
         while True:
             if self._in_call:
-                end = self._buf.find(TOOL_CALL_CLOSE)
-                if end < 0:
-                    break
-                call = _call_from_json(self._buf[len(TOOL_CALL_OPEN):end].strip())
+                call, end = _call_at(fmt, self._buf, 0)
+                if end is None:
+                    break                  # the call is not finished yet
+                if call is None and not fmt.close:
+                    # not a call after all: its text is content (a Hermes call that does
+                    # not parse is dropped, as before)
+                    content += self._buf[:end]
+                    self._buf, self._in_call = self._buf[end:], False
+                    continue
                 if call is not None and (self.mode.parallel or self.num_calls == 0):
                     calls.append(self._whole(call))
-                self._buf = self._buf[end + len(TOOL_CALL_CLOSE):]
-                self._in_call = False
+                self._buf = self._buf[end:]
+                self._in_call, self._after_call = False, True
                 continue
-            start = self._buf.find(TOOL_CALL_OPEN)
+            sep = fmt.separator.strip()
+            if self._after_call and sep:       # the separator after a call is not content
+                rest = self._buf.lstrip()
+                if len(rest) < len(sep) and sep.startswith(rest):
+                    break                      # not told yet
+                if rest.startswith(sep):
+                    self._buf = rest[len(sep):]
+                self._after_call = False
+                continue
+            start = self._buf.find(fmt.trigger)
             if start >= 0:
-                content += self._buf[:start].rstrip()
+                before = self._buf[:start]
+                content += before.rstrip()
+                self._held = before[len(before.rstrip()):]
                 self._buf = self._buf[start:]
                 self._in_call = True
                 continue
-            # hold back a possible start of the open tag and trailing whitespace
+            # hold back a possible start of the trigger and trailing whitespace
             # (whitespace right before a call is dropped, as in parse_tool_output)
-            keep = _partial_suffix(self._buf, TOOL_CALL_OPEN)
+            keep = _partial_suffix(self._buf, fmt.trigger)
             ready = self._buf[:len(self._buf) - keep].rstrip()
             content += ready
             self._buf = self._buf[len(ready):]

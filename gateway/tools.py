@@ -1,10 +1,13 @@
 """Tool calling: which constraint a `tool_choice` needs (parsing the calls back out of
 the output is gateway/tool_parser.py).
 
-Calls use the Hermes format the tools prompt (gateway/chat.py) teaches:
+In free text, calls use the Hermes format the tools prompt (gateway/chat.py) teaches:
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
+or, under `--tool-call-parser llama3_json`, the one Llama 3.1-3.3's templates teach:
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+(`ToolFormat`: the trigger, the call's shape and the separator between calls).
 
 tool_choice  | constraint on the output                     | parsed as
 -------------|----------------------------------------------|------------------------
@@ -48,19 +51,55 @@ _EMPTY_PARAMS = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True, slots=True)
+class ToolFormat:
+    """How a model writes a tool call in its text (vLLM's `--tool-call-parser`): the
+    call is `open` + {"name": ..., <args_key>: {...}} + `close`, calls one after the
+    other with `separator`; in free text (tool_choice auto) `trigger` starts one."""
+    name: str
+    trigger: str
+    args_key: str
+    open: str
+    close: str
+    separator: str
+
+    def begin(self, fn_name: str) -> str:
+        return f'{self.open}{{"name": {json.dumps(fn_name, ensure_ascii=False)}, "{self.args_key}": '
+
+    def end(self) -> str:
+        return "}" + self.close
+
+    def spell(self, fn_name: str, arguments) -> str:
+        """A call as the model writes it (prompts: the tools prompt's example, history)."""
+        return self.open + json.dumps({"name": fn_name, self.args_key: arguments},
+                                      ensure_ascii=False) + self.close
+
+
+# Hermes (Qwen2.5/Qwen3, NousResearch, formwork's own tools prompt):
+#   <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
+HERMES = ToolFormat("hermes", TOOL_CALL_OPEN, "arguments", TOOL_CALL_OPEN + "\n",
+                    "\n" + TOOL_CALL_CLOSE, "\n")
+# Llama 3.1-3.3's JSON tool calls (their chat templates' format; vLLM's llama3_json):
+#   {"name": "f", "parameters": {...}}, several joined by "; "
+LLAMA3_JSON = ToolFormat("llama3_json", '{"name": ', "parameters", "", "", "; ")
+TOOL_FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+
+
+@dataclass(frozen=True, slots=True)
 class ToolMode:
     kind: str                                # "none" | "auto" | "required" | "named"
     tools: tuple[FunctionDefinition, ...]
     name: str | None = None                  # set when kind == "named"
     parallel: bool = True
+    format: ToolFormat = HERMES              # how calls are written in free text
 
     @property
     def in_prompt(self) -> bool:
         return self.kind != "none" and bool(self.tools)
 
 
-def resolve_tool_mode(req: ChatCompletionRequest) -> ToolMode:
-    """Validate tools/tool_choice (400 naming `tool_choice`/`tools`) and pick the mode."""
+def resolve_tool_mode(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> ToolMode:
+    """Validate tools/tool_choice (400 naming `tool_choice`/`tools`) and pick the mode;
+    `fmt`: the server's tool-call format."""
     tools = tuple(t.function for t in req.tools or ())
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
@@ -71,11 +110,11 @@ def resolve_tool_mode(req: ChatCompletionRequest) -> ToolMode:
             raise bad_request(
                 f"tool_choice: function {choice.function.name!r} is not among the tools "
                 f"({', '.join(names) or 'none given'})", param="tool_choice")
-        return ToolMode("named", tools, choice.function.name, req.parallel_tool_calls)
+        return ToolMode("named", tools, choice.function.name, req.parallel_tool_calls, fmt)
     if choice in ("required", "auto") and not tools and req.tool_choice is not None:
         raise bad_request(f"tool_choice: {choice!r} needs a non-empty 'tools' list",
                           param="tool_choice")
-    return ToolMode(choice, tools, None, req.parallel_tool_calls)
+    return ToolMode(choice, tools, None, req.parallel_tool_calls, fmt)
 
 
 def parameters_schema(fn: FunctionDefinition) -> dict:
@@ -130,16 +169,17 @@ def tool_constraint(mode: ToolMode,
 
 
 def _call_tags(mode: ToolMode) -> list[dict]:
-    return [{"type": "tag", "begin": f'{TOOL_CALL_OPEN}\n{{"name": "{t.name}", "arguments": ',
+    fmt = mode.format
+    return [{"type": "tag", "begin": fmt.begin(t.name),
              "content": {"type": "json_schema", "json_schema": parameters_schema(t)},
-             "end": f"}}\n{TOOL_CALL_CLOSE}"} for t in mode.tools]
+             "end": fmt.end()} for t in mode.tools]
 
 
 def _auto_tag(mode: ToolMode) -> dict:
     """xgrammar structural tag: free text, each `<tool_call>` forced into a valid call;
     stop_after_first ends the output after one call when calls are not parallel."""
     return {"type": "structural_tag",
-            "format": {"type": "triggered_tags", "triggers": [TOOL_CALL_OPEN],
+            "format": {"type": "triggered_tags", "triggers": [mode.format.trigger],
                        "tags": _call_tags(mode), "at_least_one": False,
                        "stop_after_first": not mode.parallel}}
 
@@ -149,7 +189,8 @@ def _answer_or_calls_tag(mode: ToolMode, answer: StructuredOutputsParams) -> dic
     line; only one without parallel calls) and nothing else."""
     schema = {"type": "object"} if answer.kind() == "json_object" else answer.spec()
     schema = {} if schema is True else schema
-    calls = {"type": "tags_with_separator", "tags": _call_tags(mode), "separator": "\n",
+    calls = {"type": "tags_with_separator", "tags": _call_tags(mode),
+             "separator": mode.format.separator,
              "at_least_one": True, "stop_after_first": not mode.parallel}
     return {"type": "structural_tag",
             "format": {"type": "or", "elements": [

@@ -181,6 +181,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: reaches the chat template as `reasoning_effort` (templates of models
+    # with an effort setting read it; others ignore it), as vLLM passes it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # vLLM's: the request's own template, under --trust-request-chat-template only
     chat_template: str | None = None
     # vLLM's: no new assistant turn / continue the last (assistant) message instead
@@ -215,6 +218,8 @@ class UsageInfo(ResponseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
+    # {"reasoning_tokens": n} under a --reasoning-parser: the output tokens of the thinking
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class TopLogprob(ResponseModel):

@@ -31,21 +31,30 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    # OpenAI fields formwork refuses when set (a 400 naming them, never ignored)
+    # OpenAI's reasoning options: `effort` reaches the chat template as
+    # `reasoning_effort`; no summaries are written (checked by gateway/responses_input.py)
     reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    # a cap on built-in tool calls; formwork serves function tools only: nothing to cap
+    max_tool_calls: int | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # OpenAI fields formwork refuses when set (a 400 naming them, never ignored)
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
-    include: list[str] | None = None
-    max_tool_calls: int | None = None
-    top_logprobs: int | None = None
-    truncation: Literal["auto", "disabled"] | None = None
 
 
 # request field -> the value that means "not used"
-UNSUPPORTED_FIELDS = {"reasoning": None, "background": (None, False), "conversation": None,
-                      "prompt": None, "include": (None, []), "max_tool_calls": None,
-                      "top_logprobs": (None, 0), "truncation": (None, "disabled")}
+UNSUPPORTED_FIELDS = {"background": (None, False), "conversation": None, "prompt": None}
+# the `include` values OpenAI defines; formwork adds output_text logprobs, the rest
+# name outputs of tools it does not run (nothing to add) or encrypted reasoning (not kept)
+INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content",
+            "file_search_call.results", "web_search_call.results",
+            "web_search_call.action.sources", "message.input_image.image_url",
+            "computer_call_output.output.image_url", "code_interpreter_call.outputs")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
 
 
 class OutputText(ResponseModel):
@@ -121,7 +130,9 @@ class ResponseObject(ResponseModel):
     tool_choice: str | dict[str, Any] = "auto"
     tools: list[dict[str, Any]] = []
     top_p: float | None = None
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = {}

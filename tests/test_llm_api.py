@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from formwork import LLM, Logprob, SamplingParams
 from test_prompt_logprobs import _check_entry, _ids, hf_logprobs, tiny_hf  # noqa: F401 (fixture)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from formwork.gateway.errors import APIError
 from formwork.gateway.responses_input import (chat_request, check_supported, input_messages,
-                                              responses_error)
+                                              responses_error, truncation_starts)
 from formwork.gateway.responses_store import ResponseStore, StoredResponse
 from formwork.gateway.serving_responses import EventWriter, assistant_message, output_items
 from formwork.schemas.openai import FunctionCall, ToolCall
@@ -128,15 +128,49 @@ def test_unsupported_options_are_400(fields, param):
     assert e.value.param == param
 
 
-@pytest.mark.parametrize("fields, param", [({"reasoning": {"effort": "low"}}, "reasoning"),
-                                           ({"background": True}, "background"),
-                                           ({"truncation": "auto"}, "truncation")])
-def test_unsupported_fields_are_400(fields, param):
-    check_supported(ResponsesRequest(input="hi", include=[], truncation="disabled",
-                                     reasoning={"effort": None}))
+@pytest.mark.parametrize("fields, param", [({"background": True}, "background"),
+                                           ({"conversation": "conv_1"}, "conversation"),
+                                           ({"reasoning": {"effort": "max"}}, "reasoning.effort"),
+                                           ({"reasoning": {"effort": "low", "depth": 3}},
+                                            "reasoning.depth"),
+                                           ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
+                                           ({"include": ["message.output_text.logprobs", "x"]},
+                                            "include"),
+                                           ({"top_logprobs": 21}, "top_logprobs"),
+                                           ({"max_tool_calls": 0}, "max_tool_calls")])
+def test_unsupported_fields_and_values_are_400(fields, param):
+    check_supported(ResponsesRequest(
+        input="hi", include=["message.output_text.logprobs", "reasoning.encrypted_content"],
+        truncation="auto", reasoning={"effort": "low", "summary": "auto"}, top_logprobs=20,
+        max_tool_calls=3, background=False))
     with pytest.raises(APIError) as e:
         check_supported(ResponsesRequest(input="hi", **fields))
     assert e.value.param == param
+
+
+@pytest.mark.parametrize("fields, logprobs, top", [
+    ({}, False, None),
+    ({"include": ["message.output_text.logprobs"]}, True, 0),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 3}, True, 3),
+    ({"top_logprobs": 2}, True, 2),
+    ({"include": ["reasoning.encrypted_content"]}, False, None)])
+def test_logprobs_and_effort_reach_the_chat_request(fields, logprobs, top):
+    req = ResponsesRequest(input="hi", reasoning={"effort": "high"}, **fields)
+    chat = chat_request(req, input_messages(req.input))
+    assert chat.logprobs is logprobs and chat.top_logprobs == top
+    assert chat.reasoning_effort == "high"
+    assert chat_request(ResponsesRequest(input="hi"), [{"role": "user", "content": "hi"}]) \
+        .reasoning_effort is None
+
+
+def test_truncation_starts_at_later_user_messages_only():
+    conv = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+            {"role": "tool", "content": "r", "tool_call_id": "1"},
+            {"role": "user", "content": "d"}]
+    assert truncation_starts(conv) == [2, 5]
+    assert truncation_starts(conv[:1]) == []
 
 
 def test_chat_errors_are_renamed_to_responses_fields():
@@ -209,7 +243,8 @@ def test_event_writer_orders_text_then_call():
 
 
 class FakeEngine:
-    """Yields the given text pieces as RequestOutputs (then `reason`), or raises `error`."""
+    """Yields the given text pieces as RequestOutputs (then `reason`), or raises `error`;
+    one token per character (CharTokenizer's)."""
 
     def __init__(self, pieces: list[str], reason: str = "stop", error: Exception | None = None):
         self.pieces, self.reason, self.error = pieces, reason, error
@@ -222,10 +257,20 @@ class FakeEngine:
         for i, piece in enumerate(self.pieces):
             text += piece
             last = i == len(self.pieces) - 1
-            out = CompletionOutput(index=0, text=text, token_ids=list(range(i + 1)),
+            out = CompletionOutput(index=0, text=text, token_ids=[ord(ch) for ch in text],
                                    finish_reason=self.reason if last else None,
-                                   delta_text=piece, delta_token_ids=[i])
+                                   delta_text=piece, delta_token_ids=[ord(ch) for ch in piece])
             yield RequestOutput(request_id, prompt, prompt_ids, [out], finished=last)
+
+
+class CharTokenizer:
+    """One token per character (`</think>` is 8 of them: plain text here)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(ch) for ch in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(map(chr, ids))
 
 
 async def _collect(engine: FakeEngine, store: ResponseStore,
@@ -237,7 +282,7 @@ async def _collect(engine: FakeEngine, store: ResponseStore,
     from formwork.gateway.tools import ToolMode
     from formwork.schemas.sampling import SamplingParams
 
-    state = ServerState(engine=engine, tokenizer=None, served_model_names=("m",),
+    state = ServerState(engine=engine, tokenizer=CharTokenizer(), served_model_names=("m",),
                         max_model_len=64, metrics=Metrics("m"))
     req = ResponsesRequest(input="hi", stream=True)
     prep = PreparedChat("m", "p", [1, 2, 3], SamplingParams(max_tokens=3), ToolMode("none", ()),
@@ -259,7 +304,7 @@ def test_stream_cut_by_max_output_tokens_ends_incomplete():
         "reason": "max_output_tokens"}
     assert resp["output"][0]["content"][0]["text"] == "Hello"
     assert resp["output"][0]["status"] == "incomplete"
-    assert resp["usage"] == {"input_tokens": 3, "output_tokens": 3, "total_tokens": 6,
+    assert resp["usage"] == {"input_tokens": 3, "output_tokens": 5, "total_tokens": 8,
                              "input_tokens_details": {"cached_tokens": 0},
                              "output_tokens_details": {"reasoning_tokens": 0}}
     stored = store.get(resp["id"])
@@ -353,6 +398,59 @@ def test_create_plain(client, model):
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
+
+
+@slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_text_logprobs(client, model, stream):
+    """include message.output_text.logprobs + top_logprobs: one entry per output token,
+    whose bytes spell the text; greedy, so each token is its own first alternative;
+    streamed, the deltas carry the same entries as the final part."""
+    kw = dict(model=model, input="Count from one to ten.", max_output_tokens=12, temperature=0,
+              include=["message.output_text.logprobs"], top_logprobs=3)
+    deltas = []
+    if stream:
+        for e in client.responses.create(stream=True, **kw):
+            if e.type == "response.output_text.delta":
+                deltas += e.logprobs
+            elif e.type in ("response.completed", "response.incomplete"):
+                r = e.response
+    else:
+        r = client.responses.create(**kw)
+    assert r.top_logprobs == 3
+    part = r.output[0].content[0]
+    lps = part.logprobs
+    assert len(lps) == r.usage.output_tokens and part.text
+    assert bytes(b for lp in lps for b in lp.bytes).decode() == part.text
+    for lp in lps:
+        assert len(lp.top_logprobs) == 3 and lp.logprob <= 0
+        assert lp.top_logprobs[0].token == lp.token and lp.top_logprobs[0].logprob == lp.logprob
+    if stream:
+        assert [(d.token, d.logprob) for d in deltas] == [(lp.token, lp.logprob) for lp in lps]
+    plain = client.responses.create(**{k: v for k, v in kw.items()
+                                       if k not in ("include", "top_logprobs")})
+    assert plain.output_text == part.text and not plain.output[0].content[0].logprobs
+
+
+@slow
+def test_truncation_auto_drops_the_oldest_turns(client, model):
+    """Five ~250-token user turns do not fit the server's 1024 tokens: a 400
+    context_length_exceeded, unless truncation is "auto": then the first turns are
+    dropped, only as many as needed (one more turn would not fit)."""
+    turn = "word " * 250
+    conv = []
+    for i in range(5):
+        conv += [{"role": "user", "content": f"Note {i}: {turn}"},
+                 {"role": "assistant", "content": "Noted."}]
+    conv.append({"role": "user", "content": "How many notes?"})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input=conv, max_output_tokens=8)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "input"
+    r = client.responses.create(model=model, input=conv, max_output_tokens=8, temperature=0,
+                                truncation="auto", reasoning={"effort": "low"})
+    assert r.truncation == "auto" and r.reasoning.effort == "low" and r.output_text
+    assert 1024 - 8 - 2 * 260 < r.usage.input_tokens <= 1024 - 8
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
 
 
 @slow
@@ -450,7 +548,8 @@ def test_previous_response_id_continues(client, model):
 @slow
 @pytest.mark.parametrize("fields, param", [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"background": True}, "background"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      "text.format"),
 ])
@@ -489,6 +588,9 @@ def test_stream_splits_thinking_into_a_reasoning_item(reason):
     assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": "Let me"}]
     assert resp["output"][1]["content"][0]["text"] == (answer or "")
     assert store.get(resp["id"]).conversation[-1] == {"role": "assistant", "content": answer}
+    # the thinking's tokens: re-tokenized up to its end tag; all of them when cut inside it
+    thinking_tokens = len("<think>Let me</think>") if reason == "stop" else len("".join(pieces))
+    assert resp["usage"]["output_tokens_details"] == {"reasoning_tokens": thinking_tokens}
 
 
 def test_reasoning_items_sent_back_are_left_out():

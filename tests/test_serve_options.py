@@ -28,7 +28,8 @@ def _chat(server, verify=True, **kw):
 
 @pytest.fixture(scope="module")
 def flags_server(tiny_model_dir):
-    s = Server(str(tiny_model_dir), *BASE, "--return-tokens-as-token-ids", "--max-logprobs", "3",
+    s = Server(str(tiny_model_dir), *BASE, "--max-model-len", "512", "--tool-call-parser",
+               "llama3_json", "--return-tokens-as-token-ids", "--max-logprobs", "3",
                "--trust-request-chat-template", "--enable-log-requests", "--max-log-len", "12",
                "--override-generation-config", '{"temperature": 0, "max_new_tokens": 5}',
                "--allowed-origins", '["https://app.example"]', "--root-path", "/llm",
@@ -78,12 +79,54 @@ def test_request_chat_template_when_trusted(flags_server, tiny_model_dir):
     assert own.json()["usage"]["prompt_tokens"] != r["count"]      # the request's template
     bad = _chat(flags_server, chat_template="{% for %}")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
+    # reasoning_effort reaches the template (chat_template_kwargs' own value wins)
+    effort = template + "{% if reasoning_effort == 'high' %} think long and hard{% endif %}"
+
+    def prompt_tokens(**kw):
+        r = _chat(flags_server, chat_template=effort, max_tokens=1, **kw)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    low = prompt_tokens(reasoning_effort="low")
+    assert low == prompt_tokens() == own.json()["usage"]["prompt_tokens"]
+    assert prompt_tokens(reasoning_effort="high") > low
+    assert prompt_tokens(reasoning_effort="high",
+                         chat_template_kwargs={"reasoning_effort": "low"}) == low
+    # /tokenize renders the same prompt (the request's template, its effort)
+    tok = httpx.post(f"{flags_server.url}/tokenize", headers=H, timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "chat_template": effort,
+        "reasoning_effort": "high"}).json()
+    assert tok["count"] == prompt_tokens(reasoning_effort="high")
+    wrong = _chat(flags_server, reasoning_effort="max")
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "reasoning_effort"
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                       "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}
+WEATHER = [{"type": "function", "function": {"name": "weather", "parameters": CITY}},
+           {"type": "function", "function": {"name": "time", "parameters": {"type": "object"}}}]
+
+
+def test_llama3_json_tools_prompt(flags_server):
+    """--tool-call-parser llama3_json: the tools prompt of a template without tools
+    teaches Llama 3's JSON calls (tests/test_tool_formats.py: the constraint and the
+    parse under it), in chat completions and /tokenize alike."""
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    r = httpx.post(f"{flags_server.url}/tokenize", headers=H, timeout=30, json={
+        "messages": ask, "tools": WEATHER}).json()
+    prompt = httpx.post(f"{flags_server.url}/detokenize", headers=H, timeout=30,
+                        json={"tokens": r["tokens"]}).json()["prompt"]
+    assert '{"name": <function-name>, "parameters": <args-json-object>}' in prompt
+    assert "<tool_call>" not in prompt
+    chat = _chat(flags_server, messages=ask, tools=WEATHER, max_tokens=1)
+    assert chat.json()["usage"]["prompt_tokens"] == r["count"]
 
 
 def test_requests_are_logged_cut(flags_server):
     _chat(flags_server, messages=[{"role": "user", "content": "LOGGED-PROMPT-" + "x" * 50}])
     logs = flags_server.logs()
-    line = next(ln for ln in logs.splitlines() if "request chatcmpl-" in ln and "params" in ln)
+    line = [ln for ln in logs.splitlines() if "request chatcmpl-" in ln and "params" in ln][-1]
     start = line.index("prompt ") + len("prompt ")
     assert len(eval(line[start:line.index(", params")])) == 12     # --max-log-len
     assert "GET /v1/models" not in logs and "POST /v1/chat" not in logs   # no access log

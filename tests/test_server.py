@@ -765,8 +765,15 @@ def test_reasoning_parser_splits_thinking_from_content(server, client, model, to
 
     r = client.chat.completions.create(**body)
     m = r.choices[0].message
-    assert (m.reasoning, m.content) == expected([t.token for t in r.choices[0].logprobs.content])
+    names = [t.token for t in r.choices[0].logprobs.content]
+    assert (m.reasoning, m.content) == expected(names)
     assert m.model_extra["reasoning_content"] == m.reasoning
+    # usage counts the thinking's tokens: up to the first output prefix that closes it
+    ids = _named_ids(names)
+    closed = [k for k in range(1, len(ids) + 1)
+              if "</think>" in tokenizer.decode(ids[:k], skip_special_tokens=True)]
+    thinking = closed[0] if closed else len(ids)
+    assert r.usage.completion_tokens_details.reasoning_tokens == thinking
     reasoning, content, names = [], [], []
     for chunk in client.chat.completions.create(stream=True, **body):
         for c in chunk.choices:
