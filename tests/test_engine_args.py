@@ -123,6 +123,7 @@ def test_a_vllm_serve_command_line_is_taken():
     """`vllm serve` flags: mapped where they mean something here, accepted where they
     have nothing to do, refused (argparse) where formwork has no such thing."""
     from formwork.gateway.cli import apply_vllm_arguments, build_parser
+    from formwork.gateway.serve_options import options_from_args
 
     argv = ("serve --model /m --trust-remote-code --enable-auto-tool-choice --tool-call-parser "
             "hermes --guided-decoding-backend xgrammar --no-enable-prefix-caching --swap-space 4 "
@@ -135,13 +136,17 @@ def test_a_vllm_serve_command_line_is_taken():
     assert (config.model, config.structured_backend, config.enable_prefix_caching,
             config.max_model_len, args.log_level) == ("/m", "xgrammar", False, 2048, "debug")
     assert args.reasoning_parser == "deepseek_r1"
+    assert options_from_args(args)[1].tool_call_parser == "hermes"
+    llama = ["serve", "/m", "--tool-call-parser", "llama3_json"]
+    assert options_from_args(build_parser(llama).parse_args(llama))[1].tool_call_parser == \
+        "llama3_json"
     same = build_parser(["serve"]).parse_args(["serve", "/m", "--model", "/m"])
     apply_vllm_arguments(same)
     assert same.model == "/m"
     clash = build_parser(["serve"]).parse_args(["serve", "/a", "--model", "/b"])
     with pytest.raises(ValueError, match="two models"):
         apply_vllm_arguments(clash)
-    for bad in (["--tool-call-parser", "llama3_json"], ["--kv-cache-dtype", "fp8"],
+    for bad in (["--tool-call-parser", "mistral"], ["--kv-cache-dtype", "fp8"],
                 ["--reasoning-parser", "granite"]):
         with pytest.raises(SystemExit):
             build_parser(["serve"]).parse_args(["serve", *bad])
