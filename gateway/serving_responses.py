@@ -61,7 +61,10 @@ def _usage(state: ServerState, prep: PreparedChat, ro: RequestOutput) -> Respons
 
 
 def _logprobs(state: ServerState, prep: PreparedChat, lps) -> list[dict]:
-    """output_text logprobs (chat's token entries) of `lps`."""
+    """output_text logprobs (chat's token entries) of `lps`, but for special tokens (the
+    end of sequence): they are not in the text."""
+    special = set(getattr(state.tokenizer, "all_special_ids", ()) or ())
+    lps = [lp for lp in lps if lp.chosen.token_id not in special]
     obj = chat_logprobs_obj(lps, TokenText(state.tokenizer, prep.token_ids_as_names))
     return [] if obj is None else [e.model_dump(mode="json") for e in obj.content]
 
