@@ -12,7 +12,6 @@ from formwork.schemas.openai import DeltaFunctionCall, DeltaToolCall, FunctionCa
 from formwork.schemas.openai_base import random_id
 
 
-
 class _Number(str):
     """A JSON number as the model wrote it. Parsed into a float, `1e999` became
     `inf` and was sent back as `Infinity`, which is not JSON; `1.10` became `1.1`."""
