@@ -107,8 +107,7 @@ def link_command(object_path: str, out_path: str) -> list[str]:
 def _key(flags: list[str], source: str) -> str:
     import torch
     key = "\n".join([_BUILD, _cpu_flags(), " ".join(flags), _compiler(), sys.version,
-                     torch.__version__,
-                     os.path.dirname(torch.__file__), source])
+                     torch.__version__, os.path.dirname(torch.__file__), source])
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
@@ -166,7 +165,8 @@ def build(name: str, source: str, functions: list[str], cflags: list[str] | None
         if march:
             flags = [f"-march={march}" if f == "-march=native" else f for f in flags]
         try:
-            module = f"{name}_{_key(flags, _PRELUDE + source)}"
+            # the key covers the exposed functions too: the binding is part of the build
+            module = f"{name}_{_key(flags, _PRELUDE + source + ' '.join(functions))}"
             path = _compile(module, _PRELUDE + source + _binding(module, functions), flags)
             mod = _import(module, path)
         except Exception as e:  # noqa: BLE001 - any build failure means: keep the torch path

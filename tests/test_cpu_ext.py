@@ -59,3 +59,21 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     assert tiny * 1.0 > 0 and tiny / 2 == 0 and 1e-310 * 2 == 2e-310
     t = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
     assert (t * 1.0).item() > 0 and float(torch.finfo(torch.float32).smallest_normal / 2) > 0
+
+
+def test_the_cache_name_follows_the_exposed_functions(monkeypatch, tmp_path):
+    """The binding (one m.def per function) is compiled with the source: another list
+    of functions over the same source is another module, never a stale cached one."""
+    names = []
+
+    def fake_compile(module, source, flags):
+        names.append(module)
+        raise RuntimeError("not built")
+
+    monkeypatch.setattr(cpu_ext, "_compile", fake_compile)
+    monkeypatch.setenv("FORMWORK_CACHE", str(tmp_path))
+    for functions in (["f"], ["f", "g"], ["f"]):
+        _fresh(monkeypatch)
+        assert cpu_ext.build("probe", "int f() { return 1; } int g() { return 2; }",
+                             functions) is None
+    assert names[0] != names[1] and names[0] == names[2]
