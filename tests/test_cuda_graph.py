@@ -115,6 +115,9 @@ def tiny_triton_model():
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg, TritonAttentionBackend())
     with torch.no_grad():
+        # the embedding is built uninitialised (weights are loaded after): fill it,
+        # or whatever memory it got leaks NaNs into some runs
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
