@@ -273,24 +273,42 @@ class LlamaForCausalLM(nn.Module):
                         device: torch.device) -> None:
         """Assign HF-named weights (fusing q/k/v and gate/up), then build RoPE caches."""
         sd = {}
+        tied = self.config.tie_word_embeddings
         for name, w in hf.items():
-            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+            if name.startswith("lm_head.") and tied:
                 continue
             if ".rotary_emb." in name:
                 continue
             sd[name] = w
+        if tied and "model.embed_tokens.weight" not in sd and "lm_head.weight" in hf:
+            sd["model.embed_tokens.weight"] = hf["lm_head.weight"]   # saved under the head's name
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ValueError(f"checkpoint has no {name} (the model's config needs it)")
+            return sd.pop(name)
+
         for i in range(self.config.num_hidden_layers):
             p = f"model.layers.{i}."
             for kind in ("weight", "bias") if self.config.attention_bias else ("weight",):
-                parts = [sd.pop(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"]
+                parts = [take(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"]
                 sd[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
             for kind in ("weight", "bias") if self.config.mlp_bias else ("weight",):
-                parts = [sd.pop(f"{p}mlp.{x}_proj.{kind}") for x in ("gate", "up")]
+                parts = [take(f"{p}mlp.{x}_proj.{kind}") for x in ("gate", "up")]
                 sd[f"{p}mlp.gate_up_proj.{kind}"] = torch.cat(parts)
-        if self.config.tie_word_embeddings:
+        if tied and "model.embed_tokens.weight" in sd:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        elif "lm_head.weight" not in sd:
-            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        # a weight left out would keep the uninitialised memory the model was built
+        # with (the embedding has no random init): name what is missing instead
+        missing = sorted(set(self.state_dict()) - set(sd))
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s) the model's config "
+                             f"needs: {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
+        unexpected = sorted(set(sd) - set(self.state_dict()))
+        if unexpected:
+            raise ValueError(f"checkpoint has {len(unexpected)} weight(s) this model does not use "
+                             f"(another architecture?): "
+                             f"{', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''}")
         sd = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in sd.items()}
         self.load_state_dict(sd, strict=True, assign=True)
         if self.config.tie_word_embeddings:

@@ -196,3 +196,49 @@ def test_dummy_load_format_needs_config_only(tmp_path, tiny_model_dir):
     llm.shutdown()
     with pytest.raises(ValueError, match="load_format"):
         LLM(str(tmp_path), load_format="pt", engine_process=False)
+
+
+def _copy_with_weights(src: pathlib.Path, dst: pathlib.Path, edit) -> pathlib.Path:
+    """`src` model folder copied to `dst` with its weights passed through `edit`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    save_file(edit(load_file(str(src / "model.safetensors"))), str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("drop", ["model.layers.1.self_attn.k_proj.weight",
+                                  "model.layers.0.mlp.up_proj.weight",
+                                  "model.norm.weight", "model.embed_tokens.weight"])
+def test_a_checkpoint_missing_a_weight_is_refused_by_name(tmp_path, tiny_model_dir, drop):
+    """A missing tensor is a ValueError naming it, never a model that runs on the
+    uninitialised memory it was built with (the embedding has no random init)."""
+    folder = _copy_with_weights(tiny_model_dir, tmp_path,
+                                lambda sd: {k: v for k, v in sd.items() if k != drop})
+    with pytest.raises(ValueError, match=drop.replace(".", r"\.")):
+        load_model(folder, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_an_unknown_weight_is_refused_by_name(tmp_path, tiny_model_dir):
+    folder = _copy_with_weights(tiny_model_dir, tmp_path,
+                                lambda sd: {**sd, "model.layers.0.mlp.extra.weight": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"does not use .*model\.layers\.0\.mlp\.extra\.weight"):
+        load_model(folder, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_a_tied_checkpoint_saved_under_the_heads_name_loads(tmp_path, tiny_model_dir):
+    """Tied embeddings saved as `lm_head.weight` only: the embedding is that tensor."""
+    def rename(sd):
+        sd = dict(sd)
+        sd["lm_head.weight"] = sd.pop("model.embed_tokens.weight")
+        return sd
+
+    want = load_model(tiny_model_dir, dtype=torch.float32, device=torch.device("cpu"))
+    got = load_model(_copy_with_weights(tiny_model_dir, tmp_path, rename),
+                     dtype=torch.float32, device=torch.device("cpu"))
+    assert torch.equal(got.model.embed_tokens.weight, want.model.embed_tokens.weight)
+    assert got.lm_head.weight is got.model.embed_tokens.weight
