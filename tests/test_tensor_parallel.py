@@ -217,10 +217,13 @@ def _plans_of_every_size() -> list:
     return [next(_plans([1, 2, 3], 0)), next(_plans(big, 0)), None]
 
 
-def _broadcast_rank(rank: int, init_method: str) -> None:
+def _broadcast_rank(rank: int, init_method: str, started) -> None:
     import datetime
     import time
     from formwork.gpu.tensor_parallel import TPGroup
+    # both ranks imported: the 1 s timeout below covers the rendezvous too, and a
+    # spawned process takes seconds to start on a busy box
+    started.wait(120)
     tp = TPGroup.init(rank, 2, init_method, torch.device("cpu"), timeout=datetime.timedelta(seconds=1))
     try:
         for plan in _plans_of_every_size():
@@ -237,7 +240,8 @@ def test_plans_cross_intact_small_large_and_stop_after_idling():
     from formwork.gpu.tensor_parallel import free_port
     ctx = multiprocessing.get_context("spawn")
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_broadcast_rank, args=(r, init_method)) for r in range(2)]
+    started = ctx.Barrier(2)
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, init_method, started)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
