@@ -298,13 +298,14 @@ class LlamaForCausalLM(nn.Module):
                 sd[f"{p}mlp.gate_up_proj.{kind}"] = torch.cat(parts)
         if tied and "model.embed_tokens.weight" in sd:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        # a weight left out would keep the uninitialised memory the model was built
-        # with (the embedding has no random init): name what is missing instead
-        missing = sorted(set(self.state_dict()) - set(sd))
+        # name what is missing or left over (load_state_dict's own error lists every
+        # key of the fused layout, which is not the checkpoint's)
+        wanted = set(self.state_dict())
+        missing = sorted(wanted - set(sd))
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s) the model's config "
                              f"needs: {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
-        unexpected = sorted(set(sd) - set(self.state_dict()))
+        unexpected = sorted(set(sd) - wanted)
         if unexpected:
             raise ValueError(f"checkpoint has {len(unexpected)} weight(s) this model does not use "
                              f"(another architecture?): "

@@ -215,8 +215,8 @@ def _copy_with_weights(src: pathlib.Path, dst: pathlib.Path, edit) -> pathlib.Pa
                                   "model.layers.0.mlp.up_proj.weight",
                                   "model.norm.weight", "model.embed_tokens.weight"])
 def test_a_checkpoint_missing_a_weight_is_refused_by_name(tmp_path, tiny_model_dir, drop):
-    """A missing tensor is a ValueError naming it, never a model that runs on the
-    uninitialised memory it was built with (the embedding has no random init)."""
+    """A missing tensor is a ValueError naming it by its checkpoint name (was a bare
+    KeyError, or torch's list of the fused layout's keys)."""
     folder = _copy_with_weights(tiny_model_dir, tmp_path,
                                 lambda sd: {k: v for k, v in sd.items() if k != drop})
     with pytest.raises(ValueError, match=drop.replace(".", r"\.")):
