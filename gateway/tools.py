@@ -47,7 +47,12 @@ from formwork.schemas.structured import StructuredOutputsParams
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-_EMPTY_PARAMS = {"type": "object", "properties": {}}
+_NO_ARGS = {"type": "object", "properties": {}, "additionalProperties": False}
+# Keywords by which an object schema says what its undeclared properties may be (or
+# composes with one that may): a parameters schema with any of them keeps its meaning.
+_OPENS = ("additionalProperties", "patternProperties", "unevaluatedProperties",
+          "propertyNames", "minProperties", "dependencies", "dependentSchemas",
+          "dependentRequired", "allOf", "anyOf", "oneOf", "not", "if", "$ref", "$dynamicRef")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +123,19 @@ def resolve_tool_mode(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> T
 
 
 def parameters_schema(fn: FunctionDefinition) -> dict:
-    return fn.parameters if fn.parameters else dict(_EMPTY_PARAMS)
+    """The schema a call's arguments are generated under. A function without
+    parameters, or whose parameters object declares no property and says nothing about
+    others (`{"type": "object", "properties": {}}`: OpenAI's, MCP's and an empty pydantic
+    model's way to write "no arguments"), takes `{}`: the open object JSON Schema reads
+    there let a small model invent keys (`{"[NHM] At Monaco, ...": ""}`)."""
+    params = fn.parameters
+    if not params:
+        return dict(_NO_ARGS)
+    if isinstance(params, dict) and params.get("type") == "object" and \
+            not params.get("properties") and not params.get("required") and \
+            not any(k in params for k in _OPENS):
+        return params | {"additionalProperties": False}
+    return params
 
 
 def _call_schema(name: str, arguments: dict) -> dict:

@@ -13,7 +13,8 @@ import pytest
 
 from formwork.gateway.chat import render_messages
 from formwork.gateway.tool_parser import ToolStreamParser, parse_tool_output
-from formwork.gateway.tools import HERMES, LLAMA3_JSON, ToolMode, resolve_tool_mode, tool_constraint
+from formwork.gateway.tools import (HERMES, LLAMA3_JSON, ToolMode, parameters_schema,
+                                    resolve_tool_mode, tool_constraint)
 from formwork.grammar.backend import allocate_bitmask, allowed_token_ids
 from formwork.grammar.manager import build_backend
 from formwork.grammar.vocab import TokenVocab
@@ -167,6 +168,39 @@ def test_walks_under_the_llama_constraint_parse_back_valid(tokenizer, vocab, bac
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
             seen += 1
     assert finished >= 4 and seen >= finished
+
+
+@pytest.mark.parametrize("params", [None, {}, {"type": "object", "properties": {}},
+                                    {"type": "object"}, {"type": "object", "required": [],
+                                                         "properties": {}, "title": "NoArgs"}])
+@pytest.mark.parametrize("backend_name", ["auto", "xgrammar", "llguidance"])
+def test_a_function_without_parameters_takes_no_arguments(tokenizer, vocab, params,
+                                                           backend_name):
+    """No parameters, or an object declaring no property (OpenAI's, MCP's and an empty
+    pydantic model's "no arguments"): the named constraint admits `{}` and no key. It
+    used to be the open object, where SmolLM2 invented one."""
+    fn = FunctionDefinition(name="now", parameters=params)
+    mode = ToolMode("named", (fn,), "now")
+    compiled = build_backend("llguidance" if backend_name == "auto" else backend_name, vocab,
+                             tokenizer).compile(tool_constraint(mode))
+    m, size = compiled.new_matcher(), len(tokenizer)
+    bm = allocate_bitmask(1, size)
+    assert m.accept_tokens(tokenizer.encode("{", add_special_tokens=False))
+    m.fill_bitmask(bm, 0)
+    texts = {vocab.token_bytes[t] for t in allowed_token_ids(bm, 0, size)
+             if t != vocab.eos_token_id}
+    assert texts and all(set(b.decode()) <= set(" \t\n\r}") for b in texts), sorted(texts)[:5]
+    assert m.accept_tokens(tokenizer.encode("}", add_special_tokens=False))
+    if backend_name != "auto":
+        return
+    # what a schema says about undeclared names, or requires, keeps its meaning
+    for kept in ({"type": "object", "additionalProperties": {"type": "string"}},
+                 {"type": "object", "properties": {}, "additionalProperties": True},
+                 {"type": "object", "patternProperties": {"^x": {}}},
+                 {"type": "object", "required": ["q"]},
+                 {"type": "object", "properties": {"q": {"type": "string"}}},
+                 {"type": "object", "$ref": "#/$defs/A", "$defs": {"A": {}}}):
+        assert parameters_schema(FunctionDefinition(name="f", parameters=kept)) == kept
 
 
 class CannedEngine:
