@@ -9,7 +9,7 @@ and gets too few tokens to write it freely. The same prompts and seeds run with
 `structured_outputs.budget_aware` false, then true; the table counts outputs
 that parse and validate, their finish reasons, and the wall time of each run.
 `--shapes`: the same for every shape of bench/structured_shapes.py that can end
-(a ten-field record, a pattern-and-minLength record) at each --max-tokens: valid outputs off / on per cell.
+(a ten-field record, a pattern-and-minLength record, two lists of records) at each --max-tokens: valid outputs off / on per cell.
 """
 from __future__ import annotations
 
@@ -42,6 +42,21 @@ CODED = {"type": "object", "additionalProperties": False,
                         "summary": {"type": "string", "minLength": 40},
                         "priority": {"enum": ["low", "medium", "high"]}},
          "required": ["id", "summary", "priority"]}
+# Lists of records: the model may open another element a few tokens before the end,
+# after which the closing path (a whole required element) no longer fits.
+RECORDS = {"type": "object", "properties": {"items": {"type": "array", "items": {
+    "type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+    "required": ["a", "b"]}}}, "required": ["items"]}
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "kind": {"enum": ["a", "b"]},
+                         "addresses": {"type": "array", "items": {
+                             "type": "object", "additionalProperties": False,
+                             "properties": {"street": {"type": "string"},
+                                            "city": {"type": "string"},
+                                            "zip": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+                             "required": ["street", "city", "zip"]}}},
+          "required": ["name", "age", "kind", "addresses"]}
 
 
 def valid(text: str, schema: dict = SCHEMA) -> bool:
@@ -103,7 +118,7 @@ def shapes_table(llm: LLM, convs: list, args) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from structured_shapes import SHAPES
     shapes = {k: v for k, v in SHAPES.items() if k != "long_string"} | \
-        {"ten_fields": TEN_FIELDS, "coded": CODED}
+        {"ten_fields": TEN_FIELDS, "coded": CODED, "records": RECORDS, "person": PERSON}
     shapes = {k: v for k, v in shapes.items() if not args.only or k in args.only}
     print(f"{args.num_requests} requests per cell, temperature {args.temperature}; "
           "valid outputs with budget_aware off / on")

@@ -28,6 +28,10 @@ class StructuredOutputManagerProtocol(Protocol):
     def budget_closed(self, request_id: str) -> bool:
         """Whether the output was steered to close within its token budget."""
 
+    def budget_guard(self, request_id: str, token_id: int) -> int | None:
+        """The token to commit in place of a sampled one that would leave the output
+        no way to close within its budget (budget-aware decoding); None: keep it."""
+
     def jump_forward_tokens(self, request_id: str) -> list[int]:
         """Forced continuation, already accepted into the matcher; [] if none/disabled."""
 

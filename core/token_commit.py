@@ -8,14 +8,20 @@ from formwork.core.interfaces import StructuredOutputManagerProtocol
 from formwork.core.output_buffer import OutputBuffer, RawLogprobs
 from formwork.core.request import Request, RequestStatus
 
+_FORCED: RawLogprobs = (0.0, [], 1)     # a token the grammar (or the budget) forced
+
 
 def commit_sampled(req: Request, token_id: int, lp: RawLogprobs | None, *,
                    outputs: OutputBuffer, som: StructuredOutputManagerProtocol | None,
                    max_model_len: int) -> RequestStatus | None:
     """Append a sampled token (+ grammar jump-forward); the finish status if it ends
     req (req.error / req.stop_reason set to say why)."""
-    outputs.append(req, token_id, lp)
     rid = req.request_id
+    if req.use_structured_output and not req.sampling_params.restricts_tokens:
+        closer = som.budget_guard(rid, token_id)
+        if closer is not None:     # the pick left no room to close: the closing path's token
+            token_id, lp = closer, _FORCED
+    outputs.append(req, token_id, lp)
     if req.use_structured_output:
         if not som.accept_tokens(rid, [token_id]):
             req.error = som.error(rid) or "grammar rejected token"
@@ -29,7 +35,7 @@ def commit_sampled(req: Request, token_id: int, lp: RawLogprobs | None, *,
     if req.sampling_params.restricts_tokens:    # its tokens are sampled under its bans
         return None
     for forced in som.jump_forward_tokens(rid):
-        outputs.append(req, forced, (0.0, [], 1))   # forced by the grammar: p = 1 under it
+        outputs.append(req, forced, _FORCED)   # forced by the grammar: p = 1 under it
         if (status := _stop_status(req, forced, max_model_len)) is not None:
             return status
     return None

@@ -80,6 +80,18 @@ class Matcher(ABC):
         self.rollback(1)
         return True
 
+    def closes_with(self, token_ids: Sequence[int], eos_token_id: int | None) -> bool:
+        """Whether `token_ids` are accepted in turn and the output may end after them
+        (the stop token is allowed there); state unchanged."""
+        ids = list(token_ids)
+        if not self.accept_tokens(ids):
+            return False
+        try:
+            return self.is_terminated() or (eos_token_id is not None and
+                                            self.accepts(eos_token_id))
+        finally:
+            self.rollback(len(ids))
+
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]`; does not mutate state.

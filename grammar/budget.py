@@ -58,13 +58,23 @@ class Budget:
     window: int = WINDOW                # searched when due once `left` is at most this
     probed: bool = False                # the PROBE_AT search was done
     closed_early: bool = False          # a bitmask row was narrowed to close it
+    # (token, the closing path after it): a pick `guard` let through, its path found
+    pending: tuple[int, list[int]] | None = None
 
     def spend(self, token_ids: list[int]) -> None:
         """Accepted tokens; the closing path stays known while they follow it."""
         self.left -= len(token_ids)
+        pending, self.pending = self.pending, None
+        if pending is not None and list(token_ids) == [pending[0]]:
+            self.closing, self.closing_len, self.searched_at = pending[1], len(pending[1]), self.left
+            return
         path = self.closing
         follows = path is not None and path[:len(token_ids)] == list(token_ids)
         self.closing = path[len(token_ids):] if follows else None
+
+    def near_end(self) -> bool:
+        """The last path found nearly fills the tokens left: searched every step."""
+        return 0 < self.closing_len and self.left <= self.closing_len + SLACK + SEARCH_EVERY
 
     def search_due(self) -> bool:
         """Search now: first time in the window, every SEARCH_EVERY tokens (free tokens
@@ -73,7 +83,7 @@ class Budget:
         if self.gave_up:
             return False
         return (self.searched_at is None or self.searched_at - self.left >= SEARCH_EVERY
-                or 0 < self.closing_len and self.left <= self.closing_len + SLACK + SEARCH_EVERY)
+                or self.near_end())
 
 
 def forced_next(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int | None:
@@ -115,3 +125,49 @@ def steer(search: ClosingSearch, budget: Budget, matcher: Matcher, bitmask: torc
     set_only_tokens(bitmask, row, [token])
     budget.closed_early = True
     return True
+
+
+def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int) -> int | None:
+    """The closing path's next token in place of a sampled `token_id` after which no
+    closing path fits in the tokens left; None to keep the pick.
+
+    SLACK covers a free token that lengthens the path by a token or two (string
+    content, a digit), not one that opens a structure: `},` in a list of records with
+    12 tokens left starts an element whose required fields need 14 more, and the
+    output was cut (4 of 6 chats at max_tokens 40 on such a schema). So inside the
+    window every pick that leaves the known path is tried on the matcher: if the known
+    path still closes the output from there (string content, a digit: the common
+    case, `Matcher.closes_with`, ~2 us on llguidance), it is kept; else the new state
+    is searched, and a pick with no path in the tokens left is replaced. The path kept or found serves the next
+    step (no second search). A search that misses an existing path only closes the
+    output a little sooner."""
+    if budget.gave_up or budget.left > budget.window:
+        return None
+    path = budget.closing
+    if path and token_id == path[0] or token_id == search.eos:   # eos: allowed, so it may end
+        return None
+    if path is not None and len(path) < budget.left and \
+            matcher.closes_with([token_id, *path], search.eos):
+        budget.pending = (token_id, path)     # the known path still closes it from there
+        return None
+    if not matcher.accept_tokens([token_id]):
+        return None                 # refused: the caller's accept reports it
+    try:
+        after = search.path(matcher, budget.left - 1)
+    finally:
+        matcher.rollback(1)
+    if after is not None:
+        budget.pending = (token_id, after)
+        return None
+    if path is None:                # not known here (a forced continuation left it)
+        path = search.path(matcher, budget.left)
+        budget.searched_at = budget.left
+        budget.closing, budget.closing_len = path, len(path) if path else 0
+        if path is None:
+            budget.gave_up = True
+            return None
+    closer = path[0] if path else search.eos      # [] : the output may end here
+    if closer is not None:
+        budget.closed_early = True
+    return closer
+

@@ -114,10 +114,9 @@ class ClosingSearch:
         """Whether the output may end here (the eos token is accepted); state unchanged."""
         if matcher.is_terminated():
             return True
-        if self.eos is None or not matcher.accept_tokens([self.eos]):
-            return False
-        matcher.rollback(1)
-        return True
+        # `accepts`: llguidance answers from its state (~1 us); accepting the eos token
+        # and rolling it back took ~0.1 ms there
+        return self.eos is not None and matcher.accepts(self.eos)
 
     def _mask(self, matcher: Matcher) -> tuple[bytes, list[int]]:
         """(the mask's bytes, its words as ints) of `matcher`'s state."""

@@ -102,6 +102,18 @@ class LLGuidanceMatcher(Matcher):
             self._valid_next = int(token_id)
         return ok
 
+    def closes_with(self, token_ids: Sequence[int], eos_token_id: int | None) -> bool:
+        # Validated, not consumed: ~2 us where consuming and rolling back a string's
+        # closing `"}` and `]}` took ~0.1 ms. An eos the validation refuses is asked
+        # by acceptance (see accept_tokens).
+        ids = [int(t) for t in token_ids]
+        if self._terminated or self.native.is_error() or eos_token_id is None:
+            return super().closes_with(ids, eos_token_id)
+        done = self.native.validate_tokens(ids + [int(eos_token_id)])
+        if done == len(ids) + 1:
+            return True
+        return done == len(ids) and super().closes_with(ids, eos_token_id)
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self._terminated or self.native.is_error():
             set_only_tokens(bitmask, row, [self._eos])

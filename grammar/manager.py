@@ -148,6 +148,15 @@ class StructuredOutputManager:
         entry = self._requests.get(request_id)
         return entry is not None and entry.budget is not None and entry.budget.closed_early
 
+    def budget_guard(self, request_id: str, token_id: int) -> int | None:
+        """Budget-aware decoding, before a sampled token is committed: the token to
+        commit instead when `token_id` would leave no closing path in the tokens
+        left (grammar/budget.guard); None to keep it."""
+        entry = self._requests.get(request_id)
+        if entry is None or entry.budget is None or entry.status != "ready":
+            return None
+        return budget_policy.guard(self._closing, entry.budget, entry.matcher, token_id)
+
     def _spend(self, request_id: str, token_ids: list[int]) -> None:
         if (budget := self._requests[request_id].budget) is not None:
             budget.spend(token_ids)

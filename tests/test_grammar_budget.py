@@ -3,16 +3,18 @@ adversarial "model" that never closes a string still ends with a valid document.
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import jsonschema
 import pytest
 
 from formwork.gateway.cli import build_parser, engine_config
-from formwork.grammar.backend import allowed_token_ids
+from formwork.grammar.backend import Matcher, allocate_bitmask, allowed_token_ids
 from formwork.grammar.budget import PROBE_AT
 from formwork.grammar.closing_search import NODE_LIMIT, STUCK, ClosingSearch
 from formwork.grammar.jump_forward import ForcedTextEncoder
+from formwork.grammar.llguidance_backend import LLGuidanceMatcher
 from formwork.grammar.manager import StructuredOutputManager
 from formwork.schemas.structured import StructuredOutputsParams as P
 
@@ -322,3 +324,112 @@ def test_server_flag_turns_the_default_off(tokenizer):
         assert steered                  # a request may still ask for it
     finally:
         off.shutdown()
+
+
+RECORDS = {"type": "object", "required": ["items"], "properties": {"items": {
+    "type": "array", "items": {"type": "object", "required": ["a", "b"],
+                               "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}}}}
+
+
+def _run_extender(manager, tokenizer, rid, budget, guard=True):
+    """Commit as core/token_commit does (budget_guard before accept, then jump-forward)
+    with a model that ends each string at once and opens another list element wherever
+    it can ('"', then '},', '{', ','; else the first allowed token): (text, finished
+    by the grammar, guarded picks)."""
+    manager.submit(rid, P(json=RECORDS), budget=budget)
+    _ready(manager, rid)
+    enc = [tokenizer.encode(t, add_special_tokens=False) for t in ('"', "},", "{", ",")]
+    prefer = [ids[0] for ids in enc if len(ids) == 1]
+    eos = tokenizer.eos_token_id
+    out: list[int] = []
+    guarded = terminated = 0
+    while len(out) < budget and not terminated:
+        allowed = set(allowed_token_ids(manager.fill_bitmask([rid]), 0, VOCAB))
+        tok = next((t for t in prefer if t in allowed), None)
+        if tok is None:
+            tok = next(t for t in sorted(allowed) if t != eos) if allowed - {eos} else eos
+        if guard and (closer := manager.budget_guard(rid, tok)) is not None:
+            tok, guarded = closer, guarded + 1
+        assert manager.accept_tokens(rid, [tok])
+        terminated = manager.is_terminated(rid)
+        if tok != eos:
+            out.append(tok)
+        if not terminated:
+            out += manager.jump_forward_tokens(rid)
+    manager.remove(rid)
+    return tokenizer.decode(out[:budget]), terminated, guarded
+
+
+@pytest.mark.parametrize("budget", [28, 40, 56])
+def test_a_pick_that_opens_what_cannot_close_in_time_is_replaced(manager, tokenizer, budget):
+    """A list of records whose model keeps opening elements: near the end, a pick
+    after which no closing path fits (a new element's two required fields) is replaced
+    by the closing path's next token, and the output closes valid. Without the guard
+    the same model is cut inside an element."""
+    text, terminated, guarded = _run_extender(manager, tokenizer, f"ext-{budget}", budget)
+    assert terminated and guarded >= 1, text
+    doc = json.loads(text)
+    jsonschema.validate(doc, RECORDS)
+    assert len(doc["items"]) >= 1
+    text, terminated, _ = _run_extender(manager, tokenizer, f"raw-{budget}", budget, guard=False)
+    assert not terminated, text
+
+
+def test_a_pick_with_a_path_after_it_is_kept_and_its_path_reused(manager, tokenizer,
+                                                                 monkeypatch):
+    """A pick that still leaves a closing path in the tokens left is committed as
+    sampled, and the path searched for it serves the next step (no second search)."""
+    rid = "keep"
+    manager.submit(rid, P(json=RECORDS), budget=20)
+    _ready(manager, rid)
+    text = '{"items": [{"a": "x", "b": "y'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    manager.fill_bitmask([rid])              # the probe (at the start of a short request)
+    for t in ids:
+        assert manager.accept_tokens(rid, [t])
+    entry = manager._requests[rid]                          # noqa: SLF001
+    manager.fill_bitmask([rid])              # near the end: the path is searched
+    budget = entry.budget
+    assert budget.closing and budget.left <= budget.window
+    x = tokenizer.encode("y", add_special_tokens=False)[0]  # string content: still closes
+    assert x != budget.closing[0] and manager.budget_guard(rid, x) is None
+    calls = []
+    real = ClosingSearch.path
+    monkeypatch.setattr(ClosingSearch, "path", lambda *a: calls.append(1) or real(*a))
+    assert manager.accept_tokens(rid, [x])
+    manager.fill_bitmask([rid])
+    assert calls == [] and budget.closing, "the guard's path was searched again"
+    assert manager.accept_tokens(rid, budget.closing)
+    assert manager.is_terminated(rid) or manager._closing.can_end(entry.matcher)  # noqa: SLF001
+    manager.remove(rid)
+
+
+@pytest.mark.parametrize("schema", [RECORDS, {"type": "integer", "maximum": 500},
+                                    {"type": "string", "minLength": 3, "maxLength": 6},
+                                    {"enum": ["red", "green", 7, None]}])
+def test_closes_with_agrees_with_accepting_and_asking(manager, tokenizer, schema):
+    """llguidance's `closes_with` validates without consuming; along random walks it
+    answers as the generic accept / ask-for-eos / roll back does, on closing paths,
+    on a pick before them and on sequences cut short, and leaves the state alone."""
+    rng = random.Random(3)
+    bm = allocate_bitmask(1, VOCAB)
+    eos = tokenizer.eos_token_id
+    search = manager._closing                                       # noqa: SLF001
+    compiled = manager._backend("llguidance").compile(P(json=schema))   # noqa: SLF001
+    checked = ends = 0
+    for _ in range(6):
+        m = compiled.new_matcher()
+        assert isinstance(m, LLGuidanceMatcher)
+        for _ in range(24):
+            m.fill_bitmask(bm, 0)
+            allowed = [t for t in allowed_token_ids(bm, 0, VOCAB) if t != eos]
+            if not allowed:
+                break
+            path = search.path(m, 16) or []
+            pick = rng.choice(allowed)
+            for seq in (path, [pick, *path], path[:-1], [pick]):
+                fast = m.closes_with(seq, eos)
+                assert fast == Matcher.closes_with(m, seq, eos), (seq, schema)
+                checked, ends = checked + 1, ends + fast
+            assert m.accept_tokens([pick])
+    assert checked >= 24 and ends >= 6

@@ -118,6 +118,8 @@ class FakeSOM:
         self.removed: list[str] = []
         self.budgets: dict[str, int | None] = {}
         self.closed: set[str] = set()       # ids budget-aware decoding closed
+        self.guards: dict[str, dict[int, int]] = {}   # id -> {pick: the token committed instead}
+        self.guarded: list[tuple[str, int]] = []      # (id, pick) as budget_guard saw them
 
     def submit(self, request_id, params, budget=None):
         self.state[request_id] = "pending"
@@ -141,6 +143,10 @@ class FakeSOM:
 
     def budget_closed(self, request_id):
         return request_id in self.closed
+
+    def budget_guard(self, request_id, token_id):
+        self.guarded.append((request_id, token_id))
+        return self.guards.get(request_id, {}).get(token_id)
 
     def jump_forward_tokens(self, request_id):
         queue = self.forced.get(request_id)
@@ -507,6 +513,26 @@ def test_budget_closed_output_finishes_with_length():
     run_all(sched, runner, res)
     assert som.budgets == {"t": 6, "c": 8}           # max_tokens, or the context's room
     assert (res["t"].finish, res["c"].finish) == (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def test_a_guarded_pick_is_replaced_before_the_grammar_sees_it():
+    """Budget-aware decoding's guard (grammar/budget.guard) sees every sampled token of
+    a structured request before it is committed; a replacement is what the output,
+    the grammar and the next step get."""
+    som = FakeSOM()
+    script = {"g": [11, 12, FakeSOM.TERM]}
+    runner = FakeRunner(script=lambda rid, i, seq: script[rid][i])
+    sched, res = make_sched(som=som), {}
+    sched.add_request(req("g", range(5), structured=True, max_tokens=6))
+    som.state["g"], som.guards["g"] = "ready", {12: 40}
+    step(sched, runner, res)
+    plan = step(sched, runner, res)
+    assert res["g"].tokens == [11, 40] and som.accepted["g"] == [11, 40]
+    assert som.guarded == [("g", 11), ("g", 12)]
+    third = step(sched, runner, res)
+    assert plan.cached_reqs[0].new_token_ids == [11] and third.cached_reqs[0].new_token_ids == [40]
+    assert res["g"].tokens == [11, 40, FakeSOM.TERM]
+    assert res["g"].finish == FinishReason.STOP
 
 
 def test_jump_forward_appended_and_scheduled():
