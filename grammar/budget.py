@@ -34,8 +34,11 @@ SEARCH_EVERY = 8         # ... at least every SEARCH_EVERY tokens
 # A document whose closing path is longer than the window cannot be closed from
 # inside it (a 5-field object at max_tokens 32: a 33-token path, 0 of 50 closed). So
 # a request is searched once when it has PROBE_AT tokens left (at its start if it
-# has fewer), and its window opens EARLY_MARGIN tokens before that path's length.
-# That search is the request's first and counts as one (nothing found: GIVE_UP); a
+# has fewer), and its window opens at twice that path's length + EARLY_MARGIN: inside
+# the window `guard` refuses a pick after which no path fits, but a record opened just
+# before it may need more than the path had (a person's three fields after a 25-token
+# path: the window at path + 8 opened one token after the `{"` that made the output
+# uncloseable). That search is the request's first and counts as one (nothing found: GIVE_UP); a
 # request that ends before PROBE_AT tokens are left never pays for it.
 PROBE_AT = 64
 EARLY_MARGIN = 8
@@ -112,7 +115,7 @@ def _probe(search: ClosingSearch, budget: Budget, matcher: Matcher) -> None:
     budget.searched_at = budget.left
     budget.gave_up = path is None
     if path is not None:
-        budget.window = max(WINDOW, len(path) + EARLY_MARGIN)
+        budget.window = max(WINDOW, 2 * len(path) + EARLY_MARGIN)
         budget.closing, budget.closing_len = path, len(path)
 
 
@@ -159,13 +162,18 @@ def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int
     if after is not None:
         budget.pending = (token_id, after)
         return None
-    if path is None:                # not known here (a forced continuation left it)
-        path = search.path(matcher, budget.left)
-        budget.searched_at = budget.left
+    # Refused. The known path may be one a pick kept without a search (`com` after
+    # `example.`, whose path began with `0`): search here for the shortest, which
+    # the replacement starts (its first token, not the stale path's `0` that let an
+    # email grow `0000012345` while the model kept asking to close it).
+    fresh = search.path(matcher, budget.left)
+    budget.searched_at = budget.left
+    if fresh is not None or path is None:
+        path = fresh
         budget.closing, budget.closing_len = path, len(path) if path else 0
-        if path is None:
-            budget.gave_up = True
-            return None
+    if path is None:
+        budget.gave_up = True
+        return None
     closer = path[0] if path else search.eos      # [] : the output may end here
     if closer is not None:
         budget.closed_early = True

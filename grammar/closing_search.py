@@ -131,7 +131,20 @@ class ClosingSearch:
         """Tokens (at most `limit`) that lead `matcher` to a state where the output may
         end; None if none is found (or the first dive says none will be: HOPELESS).
         In each closer order: its first dive, then a search for a shorter path; the
-        shortest found is kept. The matcher's state is unchanged."""
+        shortest found is kept. The matcher's state is unchanged.
+        Text the grammar forces from here (a key name after its opening quote, where
+        the only token allowed may be the whole name: no closer, no single byte) is
+        the path's start, as every step's forced text is."""
+        if self.can_end(matcher):
+            return []
+        lead = forced_tokens(matcher, self._encoder)
+        try:
+            rest = self._path(matcher, limit - len(lead)) if len(lead) <= limit else None
+        finally:
+            matcher.rollback(len(lead))
+        return None if rest is None else lead + rest
+
+    def _path(self, matcher: Matcher, limit: int) -> list[int] | None:
         if self.can_end(matcher):
             return []
         nodes: dict[tuple[int, ...], _Node | None] = {}    # shared by the dives and searches

@@ -331,12 +331,12 @@ RECORDS = {"type": "object", "required": ["items"], "properties": {"items": {
                                "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}}}}
 
 
-def _run_extender(manager, tokenizer, rid, budget, guard=True):
+def _run_extender(manager, tokenizer, rid, budget, guard=True, schema=RECORDS):
     """Commit as core/token_commit does (budget_guard before accept, then jump-forward)
     with a model that ends each string at once and opens another list element wherever
     it can ('"', then '},', '{', ','; else the first allowed token): (text, finished
     by the grammar, guarded picks)."""
-    manager.submit(rid, P(json=RECORDS), budget=budget)
+    manager.submit(rid, P(json=schema), budget=budget)
     _ready(manager, rid)
     enc = [tokenizer.encode(t, add_special_tokens=False) for t in ('"', "},", "{", ",")]
     prefer = [ids[0] for ids in enc if len(ids) == 1]
@@ -433,3 +433,60 @@ def test_closes_with_agrees_with_accepting_and_asking(manager, tokenizer, schema
                 checked, ends = checked + 1, ends + fast
             assert m.accept_tokens([pick])
     assert checked >= 24 and ends >= 6
+
+
+PEOPLE = {"type": "object", "additionalProperties": False, "required": ["people", "date", "total"],
+          "properties": {"people": {"type": "array", "items": {
+              "type": "object", "required": ["name", "role", "email"],
+              "properties": {"name": {"type": "string"}, "role": {"type": "string"},
+                             "email": {"type": ["string", "null"], "format": "email"}}}},
+                         "date": {"type": "string", "format": "date"},
+                         "total": {"type": "number", "minimum": 0}}}
+
+
+def test_a_search_from_inside_a_forced_key_starts_with_the_key(manager, tokenizer):
+    """After a key's opening quote llguidance may allow only the whole name's token (no
+    closer, no single byte): the search's first dive was stuck there and found nothing,
+    so the guard replaced a harmless pick. The forced name now starts the path."""
+    matcher, search = _search(manager, tokenizer, PEOPLE, '{"people": [{"name": "M", "')
+    path = search.path(matcher, 60)
+    assert path is not None and matcher.accept_tokens(path) and search.can_end(matcher)
+    doc = json.loads('{"people": [{"name": "M", "' + tokenizer.decode(path))
+    jsonschema.validate(doc, PEOPLE)
+
+
+def test_a_refused_pick_is_replaced_by_the_shortest_paths_token(manager, tokenizer):
+    """A path a pick kept without a search can be a longer one (`0"}]...` kept after
+    `com` from the state after `example.`): the refused pick's replacement comes from
+    a fresh search, `"}` and not a `0` that lets the email grow digits."""
+    rid = "fresh"
+    manager.submit(rid, P(json=PEOPLE), budget=400)
+    _ready(manager, rid)
+    head = '{"people": [{"name": "M", "role": "CEO", "email": "mike@example.'
+    assert manager.accept_tokens(rid, tokenizer.encode(head, add_special_tokens=False))
+    entry = manager._requests[rid]                          # noqa: SLF001
+    budget = entry.budget
+    budget.left, budget.window, budget.probed = 30, 64, True
+    manager.fill_bitmask([rid])
+    assert budget.closing and tokenizer.decode(budget.closing[:1]) == "0"
+    com = tokenizer.encode("com", add_special_tokens=False)
+    assert len(com) == 1 and manager.budget_guard(rid, com[0]) is None
+    assert manager.accept_tokens(rid, com)
+    assert tokenizer.decode(budget.closing[:1]) == "0"      # kept: it still closes from here
+    reopen = tokenizer.encode('"},', add_special_tokens=False)
+    assert len(reopen) == 1                                  # another person: cannot fit
+    closer = manager.budget_guard(rid, reopen[0])
+    assert closer is not None and tokenizer.decode([closer]).startswith('"')
+    manager.remove(rid)
+
+
+@pytest.mark.parametrize("budget", [46, 52, 70])
+def test_the_window_opens_early_enough_to_refuse_a_new_record(manager, tokenizer, budget):
+    """The window used to open 8 tokens before the probe's path length: a record
+    opened just before it (a person's three fields, then the date and the total: ~49
+    tokens) left no path once it opened, and the output was cut. It now opens at twice
+    the path's length (+ 8), where such a pick is still refused."""
+    text, terminated, _ = _run_extender(manager, tokenizer, f"win-{budget}", budget,
+                                        schema=PEOPLE)
+    assert terminated, text
+    jsonschema.validate(json.loads(text), PEOPLE)
