@@ -231,7 +231,8 @@ def test_documents_that_are_not_text_or_are_empty_are_recorded_not_sent(tmp_path
     ('{"name": "A"}', "stop", False, "schema violation at $: 'city' is a required property"),
     ('{"name": "A", "city": "' + "x" * 21 + '"}', "stop", False, "schema violation at $.city"),
     ('{"name": "A", "ci', "length", False, "output cut at --max-tokens"),
-    ('{"name": "A", "city": "B"}', "length", False, "output cut at --max-tokens"),
+    ('{"name": "A", "city": "B"}', "length", False, "output closed early to fit --max-tokens"),
+    ('{"name": "A"}', "length", False, "output cut at --max-tokens"),
     ("{oops", "stop", False, "output is not valid JSON"),
 ])
 def test_judge_matches_jsonschema(text, finish, valid, error):

@@ -27,7 +27,9 @@ def make_record(doc: Document, *, data=None, valid: bool = False, finish_reason=
 def judge(doc: Document, text: str, finish_reason: str | None, validator, *,
           usage: tuple[int, int], truncated: bool = False, error: str | None = None) -> dict:
     """The record of one generated output: parsed, then validated against the schema.
-    Valid only when it also finished with "stop"; `error` (engine or server) wins."""
+    Valid only when it also finished with "stop" (a "length" output that parses and
+    validates was closed early by budget-aware decoding: its data is kept, flagged
+    as possibly incomplete); `error` (engine or server) wins."""
     rec = dict(finish_reason=finish_reason, usage=usage, truncated=truncated)
     if error is not None:
         return make_record(doc, error=error, **rec)
@@ -42,7 +44,12 @@ def judge(doc: Document, text: str, finish_reason: str | None, validator, *,
         best = None if error else jsonschema.exceptions.best_match(validator.iter_errors(data))
         if best is not None:
             error = f"schema violation at {best.json_path}: {best.message}"
-    if finish_reason == "length":
+    if finish_reason == "length" and error is None:
+        # budget-aware decoding closed it: complete and schema-valid, but what the
+        # model would have written next (another item, a longer value) is missing
+        error = (f"output closed early to fit --max-tokens ({usage[1]} tokens): the record "
+                 "is schema-valid but may be incomplete; raise --max-tokens")
+    elif finish_reason == "length":
         error = (f"output cut at --max-tokens ({usage[1]} tokens) before the JSON was complete; "
                  "raise --max-tokens or bound the schema (maxLength, maxItems)")
     elif finish_reason != "stop" and error is None:
