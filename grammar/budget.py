@@ -48,6 +48,10 @@ EARLY_MARGIN = 8
 # at 20): 105 requests had a search that found nothing, 80 of them searched again
 # later, none found a path; each such search costs a failing search's full price
 # (~1.7 ms on the engine thread, and a storm's 64 requests reach it in one step).
+# But a probe that fails at the start may fail on what the model then writes itself
+# (a Snowplow form schema: no path from `{` within 400 tokens, 8 tokens from where
+# the output was cut at 64): one more search, once RETRY_AFTER tokens were written.
+RETRY_AFTER = 16
 
 
 @dataclass(slots=True)
@@ -57,7 +61,8 @@ class Budget:
     closing: list[int] | None = None    # a closing path from the current state, if known
     closing_len: int = 0                # length of the last path found (0: none)
     searched_at: int | None = None      # `left` at the last search
-    gave_up: bool = False               # a search found no path: never searched again
+    gave_up: bool = False               # the last search found no path
+    retried: bool = False               # the one search after a failed one was run
     window: int = WINDOW                # searched when due once `left` is at most this
     probed: bool = False                # the PROBE_AT search was done
     closed_early: bool = False          # a bitmask row was narrowed to close it
@@ -82,9 +87,10 @@ class Budget:
     def search_due(self) -> bool:
         """Search now: first time in the window, every SEARCH_EVERY tokens (free tokens
         may lengthen the path), and each step once the last path nearly fills it;
-        never again after a search that found no path (GIVE_UP)."""
+        after a search that found no path (GIVE_UP) once more, RETRY_AFTER tokens
+        later, then never."""
         if self.gave_up:
-            return False
+            return not self.retried and self.searched_at - self.left >= RETRY_AFTER
         return (self.searched_at is None or self.searched_at - self.left >= SEARCH_EVERY
                 or self.near_end())
 
@@ -99,6 +105,7 @@ def forced_next(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int 
         if budget.left > budget.window:
             return None
     if budget.closing is None and budget.search_due():
+        budget.retried |= budget.gave_up
         budget.closing = search.path(matcher, budget.left)
         budget.closing_len = len(budget.closing) if budget.closing else 0
         budget.searched_at = budget.left
@@ -145,7 +152,7 @@ def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int
     step (no second search). A search that misses an existing path only closes the
     output a little sooner."""
     if budget.gave_up or budget.left > budget.window:
-        return None
+        return None                 # (a due retry runs in forced_next, before sampling)
     path = budget.closing
     if path and token_id == path[0] or token_id == search.eos:   # eos: allowed, so it may end
         return None

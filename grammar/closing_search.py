@@ -108,6 +108,7 @@ class ClosingSearch:
             [t for b, t in singles if b.isspace()]
         self.eos = eos_token_id
         self._bytes = {t: b for b, t in singles}
+        self._len = [len(b) if b is not None else 1 << 20 for b in vocab.token_bytes[:vocab_size]]
         self._row = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
 
     def can_end(self, matcher: Matcher) -> bool:
@@ -125,7 +126,17 @@ class ClosingSearch:
         return words.tobytes(), words.tolist()
 
     def _candidates(self, words: list[int], closers: list[int]) -> list[int]:
-        return (_allowed(words, closers) or _allowed(words, self.single))[:MAX_BRANCH]
+        found = _allowed(words, closers) or _allowed(words, self.single) or self._shortest(words)
+        return found[:MAX_BRANCH]
+
+    def _shortest(self, words: list[int]) -> list[int]:
+        """Where neither a closer nor a single byte is allowed, the allowed tokens, the
+        shortest first: llguidance may allow a key's names only as whole tokens
+        (`formClasses` / `formId` after `,"`), and the dive stopped there (STUCK)."""
+        ids = [w * 32 + b for w, word in enumerate(words) if word
+               for b in range(32) if (word >> b) & 1]
+        return sorted((t for t in ids if t < len(self._len) and t != self.eos),
+                      key=lambda t: (self._len[t], t))
 
     def path(self, matcher: Matcher, limit: int) -> list[int] | None:
         """Tokens (at most `limit`) that lead `matcher` to a state where the output may
