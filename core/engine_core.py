@@ -267,6 +267,12 @@ class EngineCore:
             pending_aborts = bool(self._aborts)
         return self.scheduler.has_unfinished_requests() or pending_aborts
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's `reset_prefix_cache`: the next requests
+        find no prefix hits); False, and nothing changed, while a request holds
+        blocks."""
+        return self.kv_manager.reset_prefix_cache()
+
     def get_stats(self) -> EngineStats:
         s, kv = self.scheduler, self.kv_manager
         g = self.structured.stats() if self.structured is not None else GrammarStats()

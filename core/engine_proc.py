@@ -33,7 +33,7 @@ from formwork.schemas.errors import param_of
 from formwork.schemas.engine import (UTILITY_RESULTS, EngineCoreAbort, EngineCoreOutput,
                                      EngineCoreOutputs, EngineCoreRequest, EngineCoreUtility,
                                      EngineInfo, EngineShutdown, FinishReason, InputMessage, Pong,
-                                     UtilityError, UtilityResult)
+                                     Reset, UtilityError, UtilityResult)
 
 log = logging.getLogger("formwork.engine")
 
@@ -164,6 +164,8 @@ class EngineLoop:
                 return self.core.get_stats()
             if method == "info":
                 return engine_info(self.core)
+            if method == "reset_prefix_cache":
+                return Reset(done=self.core.reset_prefix_cache())
             return UtilityError(message=f"unknown utility method {method!r}; "
                                         f"known: {tuple(UTILITY_RESULTS)}")
         except Exception as e:  # a failing read-only call must not kill the engine

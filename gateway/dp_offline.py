@@ -5,7 +5,7 @@ Owns: the N EngineProcesses, the Router (gateway/dp_router.py; the same
 least-outstanding-work + prefix-affinity rule as the server) and which
 engine holds which engine request. `EngineProcessGroup` has the surface `LLM`
 uses from one EngineProcess: add_request / abort_requests / step /
-has_unfinished_requests / check_prompt / get_stats / shutdown, plus
+has_unfinished_requests / check_prompt / get_stats / reset_prefix_cache / shutdown, plus
 `tokenizer`, `max_model_len`, `vocab_size`, `info` (engine 0's).
 
 The sub-requests of an n > 1 request (`<id>#<i>`, gateway/output_processor.py)
@@ -128,6 +128,14 @@ class EngineProcessGroup:
         entry[2] -= 1
         if entry[2] == 0:
             del self._parents[parent]
+
+    def reset_prefix_cache(self) -> bool:
+        """Every engine's; True only if each one emptied its cache."""
+        done = [e.reset_prefix_cache() for e in self.engines]
+        for i, ok in enumerate(done):
+            if ok:
+                self.router.forget_prefixes(i)
+        return all(done)
 
     def get_stats(self) -> EngineStats:
         """The engines' reports added up."""

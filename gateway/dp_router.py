@@ -125,6 +125,15 @@ class Router:
             keys.append(h)
         return keys
 
+    def forget_prefixes(self, engine: int | None = None) -> None:
+        """An engine's prefix cache was emptied (every engine's with None): it holds
+        none of the prefixes routed to it."""
+        for key in list(self._holders):
+            holders = self._holders[key]
+            holders.difference_update(range(len(self.engines)) if engine is None else (engine,))
+            if not holders:
+                del self._holders[key]
+
     # -- bookkeeping ----------------------------------------------------------------
     def started(self, request_id: str, engine: int, reason: str, prompt_tokens: int,
                 max_tokens: int, n: int = 1) -> None:

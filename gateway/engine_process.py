@@ -9,7 +9,8 @@ process imported or ran first.
 
 `EngineProcess` has the surface `LLM` uses from an in-process `EngineCore`:
 add_request / abort_requests / step / has_unfinished_requests / check_prompt /
-get_stats / shutdown, plus `tokenizer`, `max_model_len`, `vocab_size`, `info`.
+get_stats / reset_prefix_cache / shutdown, plus `tokenizer`, `max_model_len`,
+`vocab_size`, `info`.
 `LLM(data_parallel_size=N)` drives N of them (gateway/dp_offline.py).
 """
 from __future__ import annotations
@@ -188,11 +189,18 @@ class EngineProcess:
         return outs
 
     def get_stats(self) -> EngineStats:
+        return self._call("get_stats")
+
+    def reset_prefix_cache(self) -> bool:
+        return self._call("reset_prefix_cache").done
+
+    def _call(self, method: str):
+        """A utility call, answered in order with the outputs (kept for step())."""
         call_id = next(self._call_ids)
-        self._send(EngineCoreUtility(call_id=call_id, method="get_stats"))
+        self._send(EngineCoreUtility(call_id=call_id, method=method))
         while True:
             outs = self._recv()
             if outs.utility_call_id == call_id:
-                return utility_value("get_stats", outs.utility_result)
+                return utility_value(method, outs.utility_result)
             if outs.utility_call_id is None:
                 self._buffered.append(outs)

@@ -338,6 +338,12 @@ class LLM:
     def get_stats(self):
         return self.engine.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's `LLM.reset_prefix_cache()`, e.g. between
+        benchmark runs so that the second finds no cached prompts); False, and nothing
+        changed, while requests are running (never the case between `generate` calls)."""
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
         self._release()          # the Ray backend's placement group

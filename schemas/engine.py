@@ -136,15 +136,23 @@ class Pong(msgspec.Struct, tag="pong"):
     """What `ping` answers: the engine loop is alive."""
 
 
+class Reset(msgspec.Struct, kw_only=True, tag="reset"):
+    """What `reset_prefix_cache` answers: whether the prefix cache was emptied (not
+    while a request holds KV blocks)."""
+    done: bool
+
+
 class UtilityError(msgspec.Struct, kw_only=True, tag="error"):
     """A utility call that failed (unknown method, the method raised), or an
     engine that could not start (the handshake)."""
     message: str
 
 
-UtilityResult = EngineInfo | EngineStats | Pong | UtilityError
-# the read-only engine methods a utility call may name, and what each answers
-UTILITY_RESULTS: dict[str, type] = {"ping": Pong, "get_stats": EngineStats, "info": EngineInfo}
+UtilityResult = EngineInfo | EngineStats | Pong | Reset | UtilityError
+# the engine methods a utility call may name (read-only but reset_prefix_cache, which
+# only forgets cached blocks), and what each answers
+UTILITY_RESULTS: dict[str, type] = {"ping": Pong, "get_stats": EngineStats, "info": EngineInfo,
+                                    "reset_prefix_cache": Reset}
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, kw_only=True):

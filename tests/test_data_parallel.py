@@ -44,6 +44,20 @@ def test_least_loaded_engine_gets_a_new_prefix():
     assert start(r, "e", [5] * (BS - 1)) == (1, "load")     # no full block: load only
 
 
+def test_an_engine_whose_cache_was_emptied_holds_no_prefix():
+    r = Router(2, BS)
+    assert start(r, "a", prompt(1)) == (0, "load")
+    assert start(r, "b", prompt(2)) == (1, "load")
+    r.finished("a"), r.finished("b")
+    r.forget_prefixes(0)
+    assert start(r, "c", prompt(2)) == (1, "affinity")      # engine 1 still holds it
+    r.finished("c")
+    assert start(r, "d", prompt(1)) == (0, "load")          # a tie again, no affinity
+    r.finished("d")
+    r.forget_prefixes()
+    assert not r._holders                                   # noqa: SLF001
+
+
 def test_affinity_holds_until_the_home_is_overloaded():
     r = Router(2, BS)
     assert start(r, "a", prompt(7)) == (0, "load")          # the first block's home: 0
@@ -307,6 +321,9 @@ def test_offline_llm_data_parallel_equals_one_engine():
         stats = two.get_stats()
         assert stats.num_running == stats.num_waiting == 0
         assert stats.kv_free_blocks == stats.kv_total_blocks
+        assert stats.kv_cached_blocks > 0
+        assert two.reset_prefix_cache() is True             # every engine's
+        assert two.get_stats().kv_cached_blocks == 0 and not two.engine.router._holders  # noqa: SLF001
     finally:
         two.shutdown()
 

@@ -118,6 +118,30 @@ def test_prompt_cache_salt_partitions_prefix_hits(llm):
         llm.generate({"prompt_token_ids": ids, "cache_salt": ""}, sp, use_tqdm=False)
 
 
+def test_reset_prefix_cache_forgets_cached_prompts_but_not_while_running(llm):
+    """vLLM's `LLM.reset_prefix_cache()`: the next run of a prompt finds nothing
+    cached; refused (False, the cache kept) while requests hold blocks."""
+    ids = _ids(33, 11)                                  # 4 full blocks of 8
+    sp = SamplingParams(max_tokens=1, temperature=0)
+
+    def cached():
+        return llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0].num_cached_tokens
+
+    cached()
+    assert cached() == 32
+    assert llm.reset_prefix_cache() is True
+    assert cached() == 0 and cached() == 32
+    answers = []
+    long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": _ids(20, 12)}],
+                 [sp, long], use_tqdm=False,
+                 on_finished=lambda i, o: answers.append(llm.reset_prefix_cache()))
+    # the first finished while the long one ran: refused; the long one's own callback
+    # comes once its blocks are back
+    assert answers == [False, True]
+    assert cached() == 0
+
+
 def test_logprobs_of_tokens_the_grammar_forced(llm):
     """Jump-forward appends the grammar's forced continuation: those positions carry
     the pick itself (logprob 0 under the grammar, rank 1) in the same shape."""

@@ -41,6 +41,11 @@ def test_engine_process_equals_in_process_and_is_another_process(tiny_model_dir,
         assert stats.kv_free_blocks == stats.kv_total_blocks
         again = [o.outputs[0].token_ids for o in llm.generate(prompts(5), sp, use_tqdm=False)]
         assert again == want
+        # a utility call through the process: the cached prompts are forgotten
+        assert llm.get_stats().kv_cached_blocks > 0
+        assert llm.reset_prefix_cache() is True
+        assert llm.get_stats().kv_cached_blocks == 0
+        assert llm.generate(prompts(1), sp[:1], use_tqdm=False)[0].num_cached_tokens == 0
     finally:
         llm.shutdown()
 
