@@ -48,10 +48,11 @@ EARLY_MARGIN = 8
 # at 20): 105 requests had a search that found nothing, 80 of them searched again
 # later, none found a path; each such search costs a failing search's full price
 # (~1.7 ms on the engine thread, and a storm's 64 requests reach it in one step).
-# But a probe that fails at the start may fail on what the model then writes itself
-# (a Snowplow form schema: no path from `{` within 400 tokens, 8 tokens from where
-# the output was cut at 64): one more search, once RETRY_AFTER tokens were written.
-RETRY_AFTER = 16
+# One more search 16 tokens after a failed one was tried (2026-12-06):
+# on 120 corpus schemas at max_tokens 64 it closed no more outputs (7 cut either
+# way; the case it was for, a probe stuck where only whole key names are allowed,
+# is solved in the search), and on bench/structured_overhead.py (no output can
+# close) it added ~0.5-1 ms of fill per step at batch 32. Not kept.
 
 
 @dataclass(slots=True)
@@ -61,8 +62,7 @@ class Budget:
     closing: list[int] | None = None    # a closing path from the current state, if known
     closing_len: int = 0                # length of the last path found (0: none)
     searched_at: int | None = None      # `left` at the last search
-    gave_up: bool = False               # the last search found no path
-    retried: bool = False               # the one search after a failed one was run
+    gave_up: bool = False               # a search found no path: never searched again
     window: int = WINDOW                # searched when due once `left` is at most this
     probed: bool = False                # the PROBE_AT search was done
     closed_early: bool = False          # a bitmask row was narrowed to close it
@@ -87,10 +87,9 @@ class Budget:
     def search_due(self) -> bool:
         """Search now: first time in the window, every SEARCH_EVERY tokens (free tokens
         may lengthen the path), and each step once the last path nearly fills it;
-        after a search that found no path (GIVE_UP) once more, RETRY_AFTER tokens
-        later, then never."""
+        never again after a search that found no path (GIVE_UP)."""
         if self.gave_up:
-            return not self.retried and self.searched_at - self.left >= RETRY_AFTER
+            return False
         return (self.searched_at is None or self.searched_at - self.left >= SEARCH_EVERY
                 or self.near_end())
 
@@ -105,7 +104,6 @@ def forced_next(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int 
         if budget.left > budget.window:
             return None
     if budget.closing is None and budget.search_due():
-        budget.retried |= budget.gave_up
         budget.closing = search.path(matcher, budget.left)
         budget.closing_len = len(budget.closing) if budget.closing else 0
         budget.searched_at = budget.left
@@ -152,7 +150,7 @@ def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int
     step (no second search). A search that misses an existing path only closes the
     output a little sooner."""
     if budget.gave_up or budget.left > budget.window:
-        return None                 # (a due retry runs in forced_next, before sampling)
+        return None
     path = budget.closing
     if path and token_id == path[0] or token_id == search.eos:   # eos: allowed, so it may end
         return None

@@ -11,7 +11,7 @@ import pytest
 
 from formwork.gateway.cli import build_parser, engine_config
 from formwork.grammar.backend import Matcher, allocate_bitmask, allowed_token_ids
-from formwork.grammar.budget import PROBE_AT, RETRY_AFTER, WINDOW
+from formwork.grammar.budget import PROBE_AT
 from formwork.grammar.closing_search import NODE_LIMIT, STUCK, ClosingSearch
 from formwork.grammar.jump_forward import ForcedTextEncoder
 from formwork.grammar.llguidance_backend import LLGuidanceMatcher
@@ -177,9 +177,7 @@ def test_remembered_states_change_no_path(manager, tokenizer, written):
     assert shared.path(matcher, 20) == min(alone, key=len)
 
 
-def test_a_request_whose_search_failed_is_searched_once_more(manager, tokenizer, monkeypatch):
-    """Twelve long required keys cannot close in 40 tokens: the first search fails, one
-    more runs RETRY_AFTER tokens later (inside the window), then none."""
+def test_a_request_whose_search_failed_is_not_searched_again(manager, tokenizer, monkeypatch):
     props = {f"property_number_{k}_with_a_long_name": {"type": "string"} for k in range(12)}
     schema = {"type": "object", "properties": props, "required": list(props),
               "additionalProperties": False}
@@ -192,12 +190,10 @@ def test_a_request_whose_search_failed_is_searched_once_more(manager, tokenizer,
     monkeypatch.setattr(manager._closing, "path", path)   # noqa: SLF001
     text, terminated, steered = _run(manager, tokenizer, "long", P(json=schema), 40)
     assert not terminated and not steered
-    assert len(searched) == 2 and searched[0] == 40    # the probe, at the start
-    assert searched[1] <= WINDOW and 40 - searched[1] >= RETRY_AFTER
+    assert searched == [40]              # the first search (PROBE_AT), none after it
     searched.clear()
     _run(manager, tokenizer, "long-100", P(json=schema), 100)
-    assert len(searched) == 2 and searched[0] == PROBE_AT   # first searched PROBE_AT before its end
-    assert searched[1] <= WINDOW
+    assert searched == [PROBE_AT]        # a longer budget: first searched PROBE_AT before its end
     searched.clear()
     one = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
     _, terminated, _ = _run(manager, tokenizer, "short", P(json=one), 24)
