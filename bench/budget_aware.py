@@ -9,7 +9,8 @@ and gets too few tokens to write it freely. The same prompts and seeds run with
 `structured_outputs.budget_aware` false, then true; the table counts outputs
 that parse and validate, their finish reasons, and the wall time of each run.
 `--shapes`: the same for every shape of bench/structured_shapes.py that can end
-(a ten-field record, a pattern-and-minLength record, two lists of records) at each --max-tokens: valid outputs off / on per cell.
+(a ten-field record, a pattern-and-minLength record, two lists of records) at each
+--max-tokens: valid outputs off / on per cell.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ PERSON = {"type": "object", "additionalProperties": False,
                              "type": "object", "additionalProperties": False,
                              "properties": {"street": {"type": "string"},
                                             "city": {"type": "string"},
-                                            "zip": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+                                            "zip": {"anyOf": [{"type": "string"},
+                                                              {"type": "null"}]}},
                              "required": ["street", "city", "zip"]}}},
           "required": ["name", "age", "kind", "addresses"]}
 

@@ -35,11 +35,12 @@ SEARCH_EVERY = 8         # ... at least every SEARCH_EVERY tokens
 # inside it (a 5-field object at max_tokens 32: a 33-token path, 0 of 50 closed). So
 # a request is searched once when it has PROBE_AT tokens left (at its start if it
 # has fewer), and its window opens at twice that path's length + EARLY_MARGIN: inside
-# the window `guard` refuses a pick after which no path fits, but a record opened just
-# before it may need more than the path had (a person's three fields after a 25-token
-# path: the window at path + 8 opened one token after the `{"` that made the output
-# uncloseable). That search is the request's first and counts as one (nothing found: GIVE_UP); a
-# request that ends before PROBE_AT tokens are left never pays for it.
+# the window `guard` refuses a pick after which no path fits, but a record opened
+# just before it may need more than the path had (a person's three fields after a
+# 25-token path: the window at path + 8 opened one token after the `{"` that made
+# the output uncloseable). That search is the request's first and counts as one
+# (nothing found: GIVE_UP); a request that ends before PROBE_AT tokens are left never
+# pays for it.
 PROBE_AT = 64
 EARLY_MARGIN = 8
 # GIVE_UP: a request whose search found no path is not searched again. Measured with
@@ -74,7 +75,8 @@ class Budget:
         self.left -= len(token_ids)
         pending, self.pending = self.pending, None
         if pending is not None and list(token_ids) == [pending[0]]:
-            self.closing, self.closing_len, self.searched_at = pending[1], len(pending[1]), self.left
+            self.closing, self.closing_len = pending[1], len(pending[1])
+            self.searched_at = self.left
             return
         path = self.closing
         follows = path is not None and path[:len(token_ids)] == list(token_ids)
@@ -146,9 +148,9 @@ def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int
     window every pick that leaves the known path is tried on the matcher: if the known
     path still closes the output from there (string content, a digit: the common
     case, `Matcher.closes_with`, ~2 us on llguidance), it is kept; else the new state
-    is searched, and a pick with no path in the tokens left is replaced. The path kept or found serves the next
-    step (no second search). A search that misses an existing path only closes the
-    output a little sooner."""
+    is searched, and a pick with no path in the tokens left is replaced. The path
+    kept or found serves the next step (no second search). A search that misses an
+    existing path only closes the output a little sooner."""
     if budget.gave_up or budget.left > budget.window:
         return None
     path = budget.closing
@@ -183,4 +185,3 @@ def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int
     if closer is not None:
         budget.closed_early = True
     return closer
-

@@ -17,7 +17,8 @@ from formwork.gateway.engine_channel import EngineChannel
 from formwork.gateway.errors import EngineDeadError
 from formwork.schemas.engine import (UTILITY_RESULTS, EngineCoreAbort, EngineCoreOutputs,
                                      EngineCoreRequest, EngineCoreUtility, EngineInfo,
-                                     EngineShutdown, EngineStats, InputMessage, Pong, UtilityError)
+                                     EngineShutdown, EngineStats, InputMessage, Pong, Reset,
+                                     UtilityError)
 from formwork.schemas.sampling import SamplingParams
 
 ENC = msgspec.msgpack.Encoder()
@@ -94,8 +95,9 @@ def test_handshake_is_engine_info_or_a_start_error():
 
 
 def test_utility_value_checks_the_method_s_struct():
-    assert set(UTILITY_RESULTS) == {"ping", "get_stats", "info"}
+    assert set(UTILITY_RESULTS) == {"ping", "get_stats", "info", "reset_prefix_cache"}
     assert utility_value("get_stats", STATS) is STATS
+    assert utility_value("reset_prefix_cache", Reset(done=False)) == Reset(done=False)
     assert utility_value("ping", Pong()) == Pong()
     with pytest.raises(RuntimeError, match="'get_stats' answered EngineInfo"):
         utility_value("get_stats", INFO)
@@ -108,6 +110,9 @@ def test_utility_value_checks_the_method_s_struct():
 class _Core:
     def get_stats(self) -> EngineStats:
         return STATS
+
+    def reset_prefix_cache(self) -> bool:
+        return True
 
 
 class _Broken:
@@ -137,10 +142,12 @@ def test_the_engine_loop_answers_each_method_with_its_struct():
     loop, answers = _loop_answers(_Core(), EngineCoreUtility(call_id=1, method="ping"),
                                   EngineCoreUtility(call_id=2, method="get_stats"),
                                   EngineCoreUtility(call_id=3, method="explode"),
+                                  EngineCoreUtility(call_id=4, method="reset_prefix_cache"),
                                   EngineShutdown())
-    assert [a.utility_call_id for a in answers] == [1, 2, 3]
+    assert [a.utility_call_id for a in answers] == [1, 2, 3, 4]
     assert answers[0].utility_result == Pong()
     assert answers[1].utility_result == STATS
+    assert answers[3].utility_result == Reset(done=True)
     err = answers[2].utility_result
     assert isinstance(err, UtilityError) and "'explode'" in err.message and "get_stats" in err.message
     assert not loop.running                                     # the shutdown message
