@@ -37,19 +37,21 @@ def _ready(manager, rid):
     assert manager.status(rid) == "ready"
 
 
-def _run(manager, tokenizer, rid, params, budget):
-    """Decode under the manager as the scheduler does, with a model that always
-    writes 'x' where it can: (text, finished by the grammar, steered)."""
+def _decode(manager, tokenizer, rid, params, budget, pick, guard=False):
+    """Decode under the manager as the scheduler does (with `guard`, as
+    core/token_commit commits: budget_guard before accept), the model's token being
+    `pick(allowed ids)`: (text, finished by the grammar, steered, guarded picks)."""
     manager.submit(rid, params, budget=budget)
     _ready(manager, rid)
-    x = tokenizer.encode("x", add_special_tokens=False)[0]
     eos = tokenizer.eos_token_id
     out: list[int] = []
-    terminated = False
+    terminated, guarded = False, 0
     while len(out) < budget and not terminated:
         allowed = allowed_token_ids(manager.fill_bitmask([rid]), 0, VOCAB)
         others = [t for t in allowed if t != eos]
-        tok = x if x in allowed else (others[0] if others else eos)
+        tok = pick(allowed, others) if others else eos
+        if guard and (closer := manager.budget_guard(rid, tok)) is not None:
+            tok, guarded = closer, guarded + 1
         assert manager.accept_tokens(rid, [tok])
         terminated = manager.is_terminated(rid)
         if tok != eos:
@@ -58,7 +60,15 @@ def _run(manager, tokenizer, rid, params, budget):
             out += manager.jump_forward_tokens(rid)
     steered = manager.budget_closed(rid)
     manager.remove(rid)
-    return tokenizer.decode(out[:budget]), terminated, steered
+    return tokenizer.decode(out[:budget]), terminated, steered, guarded
+
+
+def _run(manager, tokenizer, rid, params, budget):
+    """A model that always writes 'x' where it can: (text, finished by the grammar,
+    steered)."""
+    x = tokenizer.encode("x", add_special_tokens=False)[0]
+    return _decode(manager, tokenizer, rid, params, budget,
+                   lambda allowed, others: x if x in allowed else others[0])[:3]
 
 
 @pytest.mark.parametrize("budget", [24, 32, 40])
@@ -332,32 +342,15 @@ RECORDS = {"type": "object", "required": ["items"], "properties": {"items": {
 
 
 def _run_extender(manager, tokenizer, rid, budget, guard=True, schema=RECORDS):
-    """Commit as core/token_commit does (budget_guard before accept, then jump-forward)
-    with a model that ends each string at once and opens another list element wherever
-    it can ('"', then '},', '{', ','; else the first allowed token): (text, finished
-    by the grammar, guarded picks)."""
-    manager.submit(rid, P(json=schema), budget=budget)
-    _ready(manager, rid)
+    """Committed as core/token_commit does, with a model that ends each string at
+    once and opens another list element wherever it can ('"', then '},', '{', ',';
+    else the first allowed token): (text, finished by the grammar, guarded picks)."""
     enc = [tokenizer.encode(t, add_special_tokens=False) for t in ('"', "},", "{", ",")]
     prefer = [ids[0] for ids in enc if len(ids) == 1]
-    eos = tokenizer.eos_token_id
-    out: list[int] = []
-    guarded = terminated = 0
-    while len(out) < budget and not terminated:
-        allowed = set(allowed_token_ids(manager.fill_bitmask([rid]), 0, VOCAB))
-        tok = next((t for t in prefer if t in allowed), None)
-        if tok is None:
-            tok = next(t for t in sorted(allowed) if t != eos) if allowed - {eos} else eos
-        if guard and (closer := manager.budget_guard(rid, tok)) is not None:
-            tok, guarded = closer, guarded + 1
-        assert manager.accept_tokens(rid, [tok])
-        terminated = manager.is_terminated(rid)
-        if tok != eos:
-            out.append(tok)
-        if not terminated:
-            out += manager.jump_forward_tokens(rid)
-    manager.remove(rid)
-    return tokenizer.decode(out[:budget]), terminated, guarded
+    text, terminated, _, guarded = _decode(
+        manager, tokenizer, rid, P(json=schema), budget,
+        lambda allowed, others: next((t for t in prefer if t in allowed), others[0]), guard)
+    return text, terminated, guarded
 
 
 @pytest.mark.parametrize("budget", [28, 40, 56])
