@@ -144,14 +144,18 @@ def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int
     SLACK covers a free token that lengthens the path by a token or two (string
     content, a digit), not one that opens a structure: `},` in a list of records with
     12 tokens left starts an element whose required fields need 14 more, and the
-    output was cut (4 of 6 chats at max_tokens 40 on such a schema). So inside the
-    window every pick that leaves the known path is tried on the matcher: if the known
-    path still closes the output from there (string content, a digit: the common
-    case, `Matcher.closes_with`, ~2 us on llguidance), it is kept; else the new state
-    is searched, and a pick with no path in the tokens left is replaced. The path
-    kept or found serves the next step (no second search). A search that misses an
-    existing path only closes the output a little sooner."""
-    if budget.gave_up or budget.left > budget.window:
+    output was cut (4 of 6 chats at max_tokens 40 on such a schema). So from the
+    probe on (PROBE_AT tokens before the end; only inside the window, a probe's tiny
+    path let the model open, before the window, what then could not close) every pick
+    that leaves the known path is tried on the matcher: if the known path still closes
+    the output from there (string content, a digit: the common case,
+    `Matcher.closes_with`, ~2 us on llguidance), it is kept; else the new state is
+    searched, its first dive only (`any_path`: whether a path fits, not the shortest),
+    and a pick with no path in the tokens left is replaced by the first token of the
+    shortest path from before it. The path kept or found serves the next step (no
+    second search). A search that misses an existing path only closes the output a
+    little sooner."""
+    if budget.gave_up or not budget.probed:
         return None
     path = budget.closing
     if path and token_id == path[0] or token_id == search.eos:   # eos: allowed, so it may end
@@ -163,7 +167,7 @@ def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int
     if not matcher.accept_tokens([token_id]):
         return None                 # refused: the caller's accept reports it
     try:
-        after = search.path(matcher, budget.left - 1)
+        after = search.path(matcher, budget.left - 1, any_path=True)
     finally:
         matcher.rollback(1)
     if after is not None:

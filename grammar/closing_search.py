@@ -138,24 +138,27 @@ class ClosingSearch:
         return sorted((t for t in ids if t < len(self._len) and t != self.eos),
                       key=lambda t: (self._len[t], t))
 
-    def path(self, matcher: Matcher, limit: int) -> list[int] | None:
+    def path(self, matcher: Matcher, limit: int, *, any_path: bool = False) -> list[int] | None:
         """Tokens (at most `limit`) that lead `matcher` to a state where the output may
         end; None if none is found (or the first dive says none will be: HOPELESS).
         In each closer order: its first dive, then a search for a shorter path; the
         shortest found is kept. The matcher's state is unchanged.
         Text the grammar forces from here (a key name after its opening quote, where
         the only token allowed may be the whole name: no closer, no single byte) is
-        the path's start, as every step's forced text is."""
+        the path's start, as every step's forced text is. `any_path`: the first
+        dive's path when it fits (no search for a shorter one): whether a path exists,
+        for budget.guard, at a dive's cost."""
         if self.can_end(matcher):
             return []
         lead = forced_tokens(matcher, self._encoder)
         try:
-            rest = self._path(matcher, limit - len(lead)) if len(lead) <= limit else None
+            rest = (self._path(matcher, limit - len(lead), any_path) if len(lead) <= limit
+                    else None)
         finally:
             matcher.rollback(len(lead))
         return None if rest is None else lead + rest
 
-    def _path(self, matcher: Matcher, limit: int) -> list[int] | None:
+    def _path(self, matcher: Matcher, limit: int, any_path: bool = False) -> list[int] | None:
         if self.can_end(matcher):
             return []
         nodes: dict[tuple[int, ...], _Node | None] = {}    # shared by the dives and searches
@@ -167,6 +170,8 @@ class ClosingSearch:
                 return None
             depth = limit
             if verdict == ENDS and len(dive) <= limit:
+                if any_path:
+                    return list(dive)
                 found.append(list(dive))
                 depth = len(dive) - 1
             if (p := self._search(matcher, depth, order, nodes)) is not None:
