@@ -82,10 +82,6 @@ class Budget:
         follows = path is not None and path[:len(token_ids)] == list(token_ids)
         self.closing = path[len(token_ids):] if follows else None
 
-    def near_end(self) -> bool:
-        """The last path found nearly fills the tokens left: searched every step."""
-        return 0 < self.closing_len and self.left <= self.closing_len + SLACK + SEARCH_EVERY
-
     def search_due(self) -> bool:
         """Search now: first time in the window, every SEARCH_EVERY tokens (free tokens
         may lengthen the path), and each step once the last path nearly fills it;
@@ -93,7 +89,7 @@ class Budget:
         if self.gave_up:
             return False
         return (self.searched_at is None or self.searched_at - self.left >= SEARCH_EVERY
-                or self.near_end())
+                or 0 < self.closing_len and self.left <= self.closing_len + SLACK + SEARCH_EVERY)
 
 
 def forced_next(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int | None:
