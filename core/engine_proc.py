@@ -168,7 +168,7 @@ class EngineLoop:
                 return Reset(done=self.core.reset_prefix_cache())
             return UtilityError(message=f"unknown utility method {method!r}; "
                                         f"known: {tuple(UTILITY_RESULTS)}")
-        except Exception as e:  # a failing read-only call must not kill the engine
+        except Exception as e:  # a failing utility call must not kill the engine
             log.exception("utility %s failed", method)
             return UtilityError(message=f"{type(e).__name__}: {e}")
 

@@ -40,8 +40,9 @@ class EngineCoreAbort(msgspec.Struct, kw_only=True, tag="abort"):
 
 
 class EngineCoreUtility(msgspec.Struct, kw_only=True, tag="utility"):
-    """A call of a read-only engine method by name (a key of UTILITY_RESULTS),
-    answered in EngineCoreOutputs.utility_result under the same call_id."""
+    """A call of an engine method by name (a key of UTILITY_RESULTS: read-only but
+    reset_prefix_cache), answered in EngineCoreOutputs.utility_result under the same
+    call_id."""
     call_id: int
     method: str
 
