@@ -75,12 +75,16 @@ class Budget:
         self.left -= len(token_ids)
         pending, self.pending = self.pending, None
         if pending is not None and list(token_ids) == [pending[0]]:
-            self.closing, self.closing_len = pending[1], len(pending[1])
-            self.searched_at = self.left
+            self.found(pending[1])
             return
         path = self.closing
         follows = path is not None and path[:len(token_ids)] == list(token_ids)
         self.closing = path[len(token_ids):] if follows else None
+
+    def found(self, path: list[int] | None) -> None:
+        """A search from the current state found `path` (None: nothing)."""
+        self.closing, self.closing_len = path, len(path) if path else 0
+        self.searched_at = self.left
 
     def search_due(self) -> bool:
         """Search now: first time in the window, every SEARCH_EVERY tokens (free tokens
@@ -102,9 +106,7 @@ def forced_next(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int 
         if budget.left > budget.window:
             return None
     if budget.closing is None and budget.search_due():
-        budget.closing = search.path(matcher, budget.left)
-        budget.closing_len = len(budget.closing) if budget.closing else 0
-        budget.searched_at = budget.left
+        budget.found(search.path(matcher, budget.left))
         budget.gave_up = budget.closing is None
     if not budget.closing or len(budget.closing) + SLACK < budget.left:
         return None
@@ -115,11 +117,10 @@ def _probe(search: ClosingSearch, budget: Budget, matcher: Matcher) -> None:
     """PROBE_AT tokens before the end: where this request's window opens."""
     budget.probed = True
     path = search.path(matcher, budget.left)
-    budget.searched_at = budget.left
+    budget.found(path)
     budget.gave_up = path is None
     if path is not None:
         budget.window = max(WINDOW, 2 * len(path) + EARLY_MARGIN)
-        budget.closing, budget.closing_len = path, len(path)
 
 
 def steer(search: ClosingSearch, budget: Budget, matcher: Matcher, bitmask: torch.Tensor,
@@ -175,9 +176,9 @@ def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int
     # email grow `0000012345` while the model kept asking to close it).
     fresh = search.path(matcher, budget.left)
     budget.searched_at = budget.left
-    if fresh is not None or path is None:
+    if fresh is not None or path is None:     # else the known path stays
         path = fresh
-        budget.closing, budget.closing_len = path, len(path) if path else 0
+        budget.found(path)
     if path is None:
         budget.gave_up = True
         return None
