@@ -99,12 +99,10 @@ class Budget:
 def forced_next(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int | None:
     """The closing path's next token once the path needs (nearly) all the tokens
     left, else None. Searches when due (so a second call in a step does not)."""
-    if budget.left > budget.window:
-        if budget.probed or budget.left > PROBE_AT:
-            return None
-        _probe(search, budget, matcher)
-        if budget.left > budget.window:
-            return None
+    if not budget.probed and budget.left <= PROBE_AT:
+        _probe(search, budget, matcher)   # also at the start of a request inside its window:
+    if budget.left > budget.window:       # the guard runs from the probe on
+        return None
     if budget.closing is None and budget.search_due():
         budget.found(search.path(matcher, budget.left))
         budget.gave_up = budget.closing is None

@@ -23,12 +23,14 @@ from formwork.grammar.vocab import TokenVocab, first_id_by_bytes
 
 # Closing texts, best first: they end strings, objects and arrays, or are the
 # shortest values ("0", '""', "null") of their type; "{" / "[" open a required one.
-CLOSERS = ('""}', '""', '"}', '"]', '","', '":""', '"', '",', '":', '}', ']', '0', 'null',
-           'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}', 'Z')
+CLOSERS = ('""}', '""', '"}', '"]', '","', '":""', '"', '",', '":', '}', ']', ',"', '0',
+           'null', 'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}', 'Z')
 # A second order (string content before empty strings): which is shorter depends
 # on the tokenizer's merges, so both are searched and the shorter path is kept.
-CLOSERS_ALT = ('"}', '"]', '","', '":""', '""}', '""', '"', '",', '":', '}', ']', '0', 'null',
-               'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}', 'Z')
+CLOSERS_ALT = ('"}', '"]', '","', '":""', '""}', '""', '"', '",', '":', '}', ']', ',"', '0',
+               'null', 'true', ',', ':', '[]', '{}', '{', '[', '}]', ']}', '}}', 'Z')
+# ',"' (the next key's quote) comes after '}' and ']': where an object or an array may
+# end, a dive that takes it first goes on adding members (an open object's `"":""`).
 # 'Z' is last: it ends a date-time's or a time's seconds, where '0' (fractional digits)
 # is the only other closer allowed and the dive would otherwise write zeros for ever.
 MAX_BRANCH = 6           # candidates expanded per state, in CLOSERS order
@@ -108,6 +110,7 @@ class ClosingSearch:
             [t for b, t in singles if b.isspace()]
         self.eos = eos_token_id
         self._bytes = {t: b for b, t in singles}
+        self._token_bytes = vocab.token_bytes
         self._len = [len(b) if b is not None else 1 << 20 for b in vocab.token_bytes[:vocab_size]]
         self._row = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
 
@@ -141,8 +144,9 @@ class ClosingSearch:
     def path(self, matcher: Matcher, limit: int, *, any_path: bool = False) -> list[int] | None:
         """Tokens (at most `limit`) that lead `matcher` to a state where the output may
         end; None if none is found (or the first dive says none will be: HOPELESS).
-        In each closer order: its first dive, then a search for a shorter path; the
-        shortest found is kept. The matcher's state is unchanged.
+        In each closer order: its first dive, then a search for a shorter path; each
+        path found is respelled in the tokenizer's own tokens (`_respelled`) and the
+        shortest that fits is kept. The matcher's state is unchanged.
         Text the grammar forces from here (a key name after its opening quote, where
         the only token allowed may be the whole name: no closer, no single byte) is
         the path's start, as every step's forced text is. `any_path`: the first
@@ -156,26 +160,58 @@ class ClosingSearch:
                     else None)
         finally:
             matcher.rollback(len(lead))
-        return None if rest is None else lead + rest
+        if rest is None:
+            return None
+        return self._respelled(matcher, lead + rest) if lead else rest
+
+    def _respelled(self, matcher: Matcher, path: list[int]) -> list[int]:
+        """`path`'s text in the tokenizer's own tokens where they are fewer and close
+        the output as well. The search builds its path from closers, single bytes and
+        forced names, so its text comes in more pieces than the tokenizer's merges make
+        of it (`{` `"` `name` `"` `:` `"` against `{"` `name` `":"`): a tool call's
+        path from its start was 29 tokens, spelled 22. The path's length decides
+        whether the output can close and when it is steered onto the path, and the
+        path is then what the output is written in: a call that fit in its 32 tokens
+        was steered from its second token on and left no room for an argument
+        (`"city": "}"`), one at 24 tokens was left cut. Costs a tokenizer call (~50 us)
+        and the matcher's check, per path found."""
+        if len(path) < 2:
+            return path
+        try:
+            text = b"".join(self._token_bytes[t] for t in path).decode("utf-8")
+        except UnicodeDecodeError:            # a character split across the path's end
+            return path
+        ids = self._encoder.spelled(text)
+        if not ids or len(ids) >= len(path) or not matcher.closes_with(ids, self.eos):
+            return path
+        return list(ids)
 
     def _path(self, matcher: Matcher, limit: int, any_path: bool = False) -> list[int] | None:
         if self.can_end(matcher):
             return []
+        # Paths are built in the search's own tokens and judged respelled, which takes
+        # fewer: the dives and searches may run up to HOPELESS x `limit` of them.
+        loose = int(HOPELESS * limit)
         nodes: dict[tuple[int, ...], _Node | None] = {}    # shared by the dives and searches
         found = []
+
+        def keep(p: list[int]) -> bool:
+            spelled = self._respelled(matcher, p)
+            if len(spelled) <= limit:
+                found.append(spelled)
+            return len(spelled) <= limit
+
         for k, order in enumerate(self.orders):
-            cap = int(HOPELESS * limit) if k == 0 else limit
-            dive, verdict = self._dive(matcher, cap, order, nodes)
+            dive, verdict = self._dive(matcher, loose, order, nodes)
             if verdict == LONG and k == 0:
                 return None
-            depth = limit
-            if verdict == ENDS and len(dive) <= limit:
-                if any_path:
-                    return list(dive)
-                found.append(list(dive))
+            depth = loose
+            if verdict == ENDS and len(dive) <= loose:
+                if keep(list(dive)) and any_path:
+                    return found[0]
                 depth = len(dive) - 1
             if (p := self._search(matcher, depth, order, nodes)) is not None:
-                found.append(p)
+                keep(p)
         return min(found, key=len) if found else None
 
     def _dive(self, matcher: Matcher, cap: int, closers: list[int],

@@ -35,13 +35,20 @@ class ForcedTextEncoder:
             self._ids[text] = got
         return got
 
-    def _encode(self, text: str) -> tuple[int, ...]:
+    def spelled(self, text: str) -> tuple[int, ...]:
+        """`text` as the tokenizer spells it, every token (the last one too); () if
+        the tokens do not spell `text` exactly. Not remembered: the closing search asks
+        for whole paths, whose texts rarely repeat."""
         vocab = self._vocab
         ids = list(self._tokenizer.encode(text, add_special_tokens=False))
         spelled = [vocab.token_bytes[i] if 0 <= i < vocab.vocab_size else None for i in ids]
         if any(b is None for b in spelled) or b"".join(spelled) != text.encode("utf-8"):
             return ()
-        if ids and vocab.is_strict_prefix_token(ids[-1]):
+        return tuple(ids)
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        ids = list(self.spelled(text))
+        if ids and self._vocab.is_strict_prefix_token(ids[-1]):
             ids.pop()
         return tuple(ids)
 

@@ -11,7 +11,7 @@ import pytest
 
 from formwork.gateway.cli import build_parser, engine_config
 from formwork.grammar.backend import Matcher, allocate_bitmask, allowed_token_ids
-from formwork.grammar.budget import PROBE_AT
+from formwork.grammar.budget import PROBE_AT, SLACK
 from formwork.grammar.closing_search import NODE_LIMIT, STUCK, ClosingSearch
 from formwork.grammar.jump_forward import ForcedTextEncoder
 from formwork.grammar.llguidance_backend import LLGuidanceMatcher
@@ -37,14 +37,15 @@ def _ready(manager, rid):
     assert manager.status(rid) == "ready"
 
 
-def _decode(manager, tokenizer, rid, params, budget, pick, guard=False):
+def _decode(manager, tokenizer, rid, params, budget, pick, guard=False, out=None):
     """Decode under the manager as the scheduler does (with `guard`, as
     core/token_commit commits: budget_guard before accept), the model's token being
-    `pick(allowed ids)`: (text, finished by the grammar, steered, guarded picks)."""
+    `pick(allowed ids)`: (text, finished by the grammar, steered, guarded picks).
+    `out`: a list the output's token ids are appended to as they come."""
     manager.submit(rid, params, budget=budget)
     _ready(manager, rid)
     eos = tokenizer.eos_token_id
-    out: list[int] = []
+    out = [] if out is None else out
     terminated, guarded = False, 0
     while len(out) < budget and not terminated:
         allowed = allowed_token_ids(manager.fill_bitmask([rid]), 0, VOCAB)
@@ -501,3 +502,70 @@ def test_a_dive_where_only_whole_key_tokens_are_allowed_goes_on(manager, tokeniz
         path = search.path(matcher, 64)
         assert path is not None, written
         jsonschema.validate(json.loads(written + tokenizer.decode(path)), schema)
+
+
+# One call of a weather tool, as `tool_choice: "required"` constrains it (gateway/tools).
+CALL = {"type": "array", "minItems": 1, "items": {"anyOf": [{
+    "type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+    "properties": {"name": {"const": "get_weather"}, "arguments": {
+        "type": "object", "required": ["city", "unit"],
+        "properties": {"city": {"type": "string"},
+                       "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}]}}
+# ... as SmolLM2 writes it, with spaces: 29 tokens with its eos
+WRITTEN_CALL = '[\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n]'
+
+
+def test_a_closing_path_is_spelled_in_the_tokenizers_own_tokens(manager, tokenizer):
+    """The search builds a path from closers, single bytes and forced key names (`{`
+    `"` `name` `"` `:` `"`: a call from its start in 29 tokens); the path it returns is
+    that text as the tokenizer spells it (`{"` `name` `":"`: 21), never longer, and a
+    string it must write is left empty rather than opened with a closer's byte
+    (`"city": "}"` then `","`, as short in the search's pieces)."""
+    matcher, search = _search(manager, tokenizer, CALL, "")
+    path = search.path(matcher, 64)
+    text = tokenizer.decode(path)
+    assert len(path) <= len(tokenizer.encode(text, add_special_tokens=False)), text
+    assert matcher.accept_tokens(path) and search.can_end(matcher)
+    call = json.loads(text)
+    jsonschema.validate(call, CALL)
+    assert call[0]["arguments"]["city"] == ""
+    matcher.rollback(len(path))
+    # judged by its spelled length: a budget the search's own pieces exceed
+    assert search.path(matcher, len(path)) == path
+
+
+def _write(manager, tokenizer, rid, schema, target, budget, params=None):
+    """A model that writes `target` (the longest allowed token that continues it, then
+    the stop token), committed as core/token_commit does: (text, finished by the
+    grammar, steered, guarded picks)."""
+    out: list[int] = []
+
+    def pick(allowed, others):
+        done = tokenizer.decode(out)
+        rest = target[len(done):] if target.startswith(done) else ""
+        fits = [t for t in others if rest.startswith(tokenizer.decode([t]) or "\0")]
+        if fits:
+            return max(fits, key=lambda t: len(tokenizer.decode([t])))
+        return tokenizer.eos_token_id if tokenizer.eos_token_id in allowed else others[0]
+    return _decode(manager, tokenizer, rid, params or P(json=schema), budget, pick, guard=True,
+                   out=out)
+
+
+@pytest.mark.parametrize("extra", [0, 2, 8])
+def test_an_output_that_fits_its_budget_is_written_as_the_model_writes_it(manager, tokenizer,
+                                                                          extra):
+    """A call the model writes in 28 tokens (29 with its eos) under a budget it fits:
+    with SLACK tokens to spare no token is steered or replaced; with none, only the
+    spaces of its last part go (steered onto the path). The path used to be measured
+    in the search's pieces (29 tokens from the start): the call was steered from its
+    second token on, its city came back `"}"`, and with 2 to spare it was steered too."""
+    free = _write(manager, tokenizer, "free-call", CALL, WRITTEN_CALL, 400)
+    assert free[:2] == (WRITTEN_CALL, True)
+    n = len(tokenizer.encode(WRITTEN_CALL, add_special_tokens=False))
+    text, terminated, steered, guarded = _write(manager, tokenizer, f"fit-{extra}", CALL,
+                                                WRITTEN_CALL, n + 1 + extra)
+    if extra >= SLACK:
+        assert (text, terminated, steered, guarded) == (WRITTEN_CALL, True, False, 0)
+    else:
+        assert terminated and json.loads(text) == json.loads(WRITTEN_CALL)
+
