@@ -45,8 +45,9 @@ FLAGS: dict[str, Flag] = {
     "grammar_compile_timeout_s": Flag(
         name="--grammar-compile-timeout",
         help="seconds a request's grammar may take to compile; after that the request fails"),
-    "budget_aware": Flag(help="do not close JSON-schema outputs before max_tokens runs out (per "
-                              "request: structured_outputs.budget_aware)"),
+    "budget_aware": Flag(help="do not close JSON outputs (schemas, json_object, tool calls) "
+                              "before max_tokens runs out (per request: "
+                              "structured_outputs.budget_aware)"),
     "defer_grammar_masks": Flag(help="fill every constrained request's grammar mask beside the "
                                      "forward, instead of checking the unmasked pick of greedy and "
                                      "temperature-only requests first and masking only refused ones"),

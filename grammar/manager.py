@@ -32,6 +32,10 @@ from formwork.schemas.errors import ParamError
 from formwork.schemas.structured import (GrammarStats, GrammarStatus, StructuredOutputsParams,
                                          reasoning_end_id)
 
+# Constraint kinds budget-aware decoding applies to unless a request says otherwise.
+BUDGET_DEFAULT_KINDS = ("json", "json_object", "structural_tag")
+
+
 @dataclass(slots=True)
 class _RequestGrammar:
     future: Future | None
@@ -137,10 +141,14 @@ class StructuredOutputManager:
         return found
 
     def _budget_on(self, params: StructuredOutputsParams) -> bool:
-        """Per request `budget_aware`, else the server's default for JSON schemas."""
+        """Per request `budget_aware`, else the server's default for JSON: schemas,
+        `json_object`, and structural tags (tool calls under tool_choice "auto", an
+        answer's schema beside tools: a call or an answer cut at max_tokens is text
+        no client can parse). Regex, choice and grammar outputs are the caller's own
+        language, where an early end may not be what they want."""
         if params.budget_aware is not None:
             return params.budget_aware
-        return self._budget_aware and params.kind() == "json"
+        return self._budget_aware and params.kind() in BUDGET_DEFAULT_KINDS
 
     def budget_closed(self, request_id: str) -> bool:
         """Whether budget-aware decoding narrowed this request's output to close it

@@ -66,8 +66,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     budget_aware:   close the output before max_tokens (or the context) cuts it:
                     in its last tokens the mask is narrowed to a short path that
                     completes it (grammar/budget.py); finish_reason stays "length".
-                    None (default): the server's default, on for JSON schemas
-                    (`--no-budget-aware` turns it off). Not part of the grammar.
+                    None (default): the server's default, on for JSON (schemas,
+                    json_object, structural tags: tool calls under tool_choice
+                    "auto"; `--no-budget-aware` turns it off). Not part of the grammar.
     reasoning_end:  a reasoning model's end-of-thinking tag (e.g. "</think>"), one
                     token of the vocabulary: the output is free text (never the
                     end-of-sequence token) up to that token, and the constraint

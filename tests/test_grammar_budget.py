@@ -87,9 +87,13 @@ def test_off_per_request_leaves_the_cut(manager, tokenizer):
         json.loads(text)
 
 
-def test_default_is_json_schemas_only(manager, tokenizer):
+def test_default_is_json_only(manager, tokenizer):
+    """On by default for JSON (schemas, `json_object`, and structural tags: tool calls
+    under tool_choice "auto"), off for regexes, choices and grammars."""
     _, _, steered = _run(manager, tokenizer, "regex", P(regex='"x*"'), 8)
     assert not steered
+    text, terminated, steered = _run(manager, tokenizer, "object", P(json_object=True), 12)
+    assert terminated and steered and isinstance(json.loads(text), dict), text
 
 
 def test_closing_path_leaves_the_matcher_as_it_was(manager, tokenizer):
@@ -569,3 +573,40 @@ def test_an_output_that_fits_its_budget_is_written_as_the_model_writes_it(manage
     else:
         assert terminated and json.loads(text) == json.loads(WRITTEN_CALL)
 
+
+def _auto_tools():
+    from formwork.gateway.tools import ToolMode, tool_constraint
+    from formwork.schemas.openai import FunctionDefinition
+    fn = FunctionDefinition(name="get_weather",
+                            parameters=CALL["items"]["anyOf"][0]["properties"]["arguments"])
+    return tool_constraint(ToolMode("auto", (fn,)))
+
+
+LONG_CITY = "Paris, the capital of France, on the Seine"
+AUTO_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + LONG_CITY +
+             '", "unit": "celsius"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("budget", [12, 24, 36, 44])
+def test_a_tool_call_under_tool_choice_auto_is_closed_or_never_begun(manager, tokenizer,
+                                                                     budget):
+    """tool_choice "auto" (a structural tag: free text, `<tool_call>` then a call): a
+    call cut at max_tokens was returned as its raw text in `content`. Now a call that
+    can still close in the tokens left is closed (its argument shortened), and the
+    token that would complete the trigger with no room for a call is refused (the
+    output ends there, no call begun). Also under 16 tokens, where the request starts
+    inside its window (the guard used to wait for a probe that never ran there)."""
+    params = _auto_tools()
+    text, terminated, _, _ = _write(manager, tokenizer, f"auto-{budget}", None, AUTO_CALL,
+                                    budget, params=params)
+    assert terminated, text
+    if "<tool_call>" not in text:
+        assert budget < 36 and AUTO_CALL.startswith(text)
+        return
+    head, _, rest = text.partition("<tool_call>\n")
+    body, end, tail = rest.partition("\n</tool_call>")
+    assert head == "" and end and tail == "", text
+    call = json.loads(body)
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["arguments"], CALL["items"]["anyOf"][0]["properties"]["arguments"])
+    assert LONG_CITY.startswith(call["arguments"]["city"])

@@ -214,8 +214,11 @@ def test_real_model_constrained_outputs_validate(backend):
         if c.finish_reason == "stop":
             check(c.text)
             stopped += 1
-        else:
-            assert c.finish_reason == "length" and len(c.token_ids) == 80, (c.finish_reason, c.text)
+        else:      # cut at max_tokens, or closed before it by budget-aware decoding (JSON)
+            assert c.finish_reason == "length" and len(c.token_ids) <= 80, (c.finish_reason, c.text)
+            if len(c.token_ids) < 80:
+                check(c.text)
+                stopped += 1
     assert stopped >= len(outs) - 2          # the bounded constraints nearly all terminate
     stats = llm.get_stats()
     assert stats.num_running == stats.num_waiting == 0
