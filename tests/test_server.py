@@ -461,6 +461,26 @@ def test_tool_choice_auto(client, model):
     assert not r.choices[0].message.tool_calls and r.choices[0].message.content
 
 
+def test_tool_calls_under_auto_and_json_objects_close_at_max_tokens(client, model):
+    """Budget-aware decoding covers tool_choice "auto" and json_object: a call the
+    model begins with too few tokens left for it as written (it writes this one in
+    38) comes back parsed and valid (finish "length": closed early) or never begun;
+    its raw `<tool_call>` text used to come back as `content`. A json_object output
+    cut at max_tokens parses."""
+    for max_tokens in (30, 34, 36):
+        r = client.chat.completions.create(model=model, messages=CALL_Q, tools=TOOLS,
+                                           temperature=0, max_tokens=max_tokens)
+        c = r.choices[0]
+        assert "<tool_call>" not in (c.message.content or ""), (max_tokens, c)
+        if max_tokens >= 34:
+            assert c.finish_reason == "length" and _check_calls(c)
+    for max_tokens in (12, 24):
+        r = client.chat.completions.create(
+            model=model, messages=ASK, temperature=0.8, seed=1, max_tokens=max_tokens,
+            response_format={"type": "json_object"})
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
 @pytest.mark.parametrize("auto", [False, True])
 def test_streamed_tool_calls_equal_non_streamed(client, model, auto):
     kw = dict(model=model, messages=WEATHER_Q, tools=TOOLS, temperature=0, max_tokens=40,
