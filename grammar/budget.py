@@ -43,6 +43,14 @@ SEARCH_EVERY = 8         # ... at least every SEARCH_EVERY tokens
 # pays for it.
 PROBE_AT = 64
 EARLY_MARGIN = 8
+# ... unless the document's shortest form is long: a request whose schema needs 73
+# tokens from its start (an invoice: seven required fields, a line item) wrote one
+# string for 440 tokens of its 512, and from there 67 were needed, more than the 64
+# left at the probe: it gave up and was cut. So at a request's first step the path
+# from the start is searched (once per constraint: every request of a schema starts in
+# the same state; at most START_LIMIT tokens) and the probe runs at twice its length +
+# EARLY_MARGIN before the end if that is earlier.
+START_LIMIT = 256
 # GIVE_UP: a request whose search found no path is not searched again. Measured with
 # SmolLM2 at temperature 0.7 (50 requests each: bench/budget_aware.py's schema at 24,
 # 32 and 40 tokens, bench/soak.py's 60-property storm schemas at 24, a nested schema
@@ -60,6 +68,8 @@ EARLY_MARGIN = 8
 class Budget:
     """One request's budget-aware state (owned by the StructuredOutputManager)."""
     left: int                           # tokens it may still append
+    key: str | None = None              # the constraint's cache key (its start path is shared)
+    probe_at: int | None = None         # `left` at which the probe runs (set at the first step)
     closing: list[int] | None = None    # a closing path from the current state, if known
     closing_len: int = 0                # length of the last path found (0: none)
     searched_at: int | None = None      # `left` at the last search
@@ -99,7 +109,9 @@ class Budget:
 def forced_next(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int | None:
     """The closing path's next token once the path needs (nearly) all the tokens
     left, else None. Searches when due (so a second call in a step does not)."""
-    if not budget.probed and budget.left <= PROBE_AT:
+    if budget.probe_at is None:           # the request's first step: nothing accepted yet
+        budget.probe_at = _probe_point(search, budget, matcher)
+    if not budget.probed and budget.left <= budget.probe_at:
         _probe(search, budget, matcher)   # also at the start of a request inside its window:
     if budget.left > budget.window:       # the guard runs from the probe on
         return None
@@ -109,6 +121,15 @@ def forced_next(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int 
     if not budget.closing or len(budget.closing) + SLACK < budget.left:
         return None
     return budget.closing[0]
+
+
+def _probe_point(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int:
+    """PROBE_AT, or twice the length of the document's shortest form (the path from
+    the start, remembered per constraint) + EARLY_MARGIN where that is more."""
+    if budget.left <= PROBE_AT or budget.key is None:
+        return PROBE_AT                   # probed at once anyway
+    n = search.start_length(budget.key, matcher, START_LIMIT)
+    return PROBE_AT if n is None else max(PROBE_AT, 2 * n + EARLY_MARGIN)
 
 
 def _probe(search: ClosingSearch, budget: Budget, matcher: Matcher) -> None:

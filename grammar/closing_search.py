@@ -113,6 +113,17 @@ class ClosingSearch:
         self._token_bytes = vocab.token_bytes
         self._len = [len(b) if b is not None else 1 << 20 for b in vocab.token_bytes[:vocab_size]]
         self._row = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
+        self._start: dict[str, int | None] = {}    # start_length's, by constraint key
+
+    def start_length(self, key: str, matcher: Matcher, limit: int) -> int | None:
+        """The length of a path from `matcher`'s state, which is the start of the
+        constraint `key`: searched once per key (bounded: emptied at 4,096 keys)."""
+        if key not in self._start:
+            if len(self._start) >= 4096:
+                self._start.clear()
+            path = self.path(matcher, limit)
+            self._start[key] = None if path is None else len(path)
+        return self._start[key]
 
     def can_end(self, matcher: Matcher) -> bool:
         """Whether the output may end here (the eos token is accepted); state unchanged."""

@@ -106,7 +106,7 @@ class StructuredOutputManager:
             if params.reasoning_end is not None:
                 entry.think = self._think(params.reasoning_end)
             elif budget is not None and self._budget_on(params):
-                entry.budget = Budget(budget)     # (a thinking request is never closed early)
+                entry.budget = Budget(budget, key)   # (a thinking request is never closed early)
         except ValueError as err:
             entry.status, entry.error = "failed", str(err)
             return

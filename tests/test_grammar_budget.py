@@ -11,7 +11,7 @@ import pytest
 
 from formwork.gateway.cli import build_parser, engine_config
 from formwork.grammar.backend import Matcher, allocate_bitmask, allowed_token_ids
-from formwork.grammar.budget import PROBE_AT, SLACK
+from formwork.grammar.budget import EARLY_MARGIN, PROBE_AT, SLACK, START_LIMIT
 from formwork.grammar.closing_search import NODE_LIMIT, STUCK, ClosingSearch
 from formwork.grammar.jump_forward import ForcedTextEncoder
 from formwork.grammar.llguidance_backend import LLGuidanceMatcher
@@ -208,7 +208,16 @@ def test_a_request_whose_search_failed_is_not_searched_again(manager, tokenizer,
     assert searched == [40]              # the first search (PROBE_AT), none after it
     searched.clear()
     _run(manager, tokenizer, "long-100", P(json=schema), 100)
-    assert searched == [PROBE_AT]        # a longer budget: first searched PROBE_AT before its end
+    # a longer budget: the path from the document's start first (once per constraint),
+    # then the probe, twice that path's length before the end (here: at once), no more
+    start = manager._closing._start[P(json=schema).cache_key()]      # noqa: SLF001
+    assert searched == [START_LIMIT, 100] and 2 * start + EARLY_MARGIN >= 100
+    searched.clear()
+    _run(manager, tokenizer, "long-100b", P(json=schema), 100)
+    assert searched == [100]             # the start's length is remembered
+    searched.clear()
+    _run(manager, tokenizer, "short-100", P(json=SCHEMA), 100)
+    assert searched[:2] == [START_LIMIT, PROBE_AT]    # a short document: probed at PROBE_AT
     searched.clear()
     one = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
     _, terminated, _ = _run(manager, tokenizer, "short", P(json=one), 24)
@@ -610,3 +619,35 @@ def test_a_tool_call_under_tool_choice_auto_is_closed_or_never_begun(manager, to
     assert call["name"] == "get_weather"
     jsonschema.validate(call["arguments"], CALL["items"]["anyOf"][0]["properties"]["arguments"])
     assert LONG_CITY.startswith(call["arguments"]["city"])
+
+
+INVOICE = {"type": "object", "additionalProperties": False,
+           "required": ["invoice_number", "issue_date", "seller", "buyer", "line_items", "total",
+                        "currency"],
+           "properties": {
+               "invoice_number": {"type": "string"},
+               "issue_date": {"type": "string", "format": "date"},
+               "due_date": {"type": ["string", "null"], "format": "date"},
+               "seller": {"type": "string"}, "buyer": {"type": "string"},
+               "line_items": {"type": "array", "minItems": 1, "items": {
+                   "type": "object", "additionalProperties": False,
+                   "required": ["description", "quantity", "unit_price"],
+                   "properties": {"description": {"type": "string"},
+                                  "quantity": {"type": "integer", "minimum": 1},
+                                  "unit_price": {"type": "number", "minimum": 0}}}},
+               "total": {"type": "number", "minimum": 0},
+               "currency": {"type": "string", "pattern": "^[A-Z]{3}$"}}}
+
+
+@pytest.mark.parametrize("budget", [120, 200, 512])
+def test_a_document_longer_than_the_probe_closes_after_a_long_string(manager, tokenizer, budget):
+    """An invoice's closing path from inside its first string needs more than PROBE_AT
+    tokens (`formwork extract`: SmolLM2 wrote digits into the invoice number for 440 of
+    512 tokens): the probe, PROBE_AT tokens before the end, found no path there and
+    the record was cut. The probe now runs at twice the document's shortest form
+    before the end, where the string can still be closed."""
+    text, terminated, steered = _run(manager, tokenizer, f"inv-{budget}", P(json=INVOICE), budget)
+    assert terminated and steered, text[-80:]
+    doc = json.loads(text)
+    jsonschema.validate(doc, INVOICE)
+    assert doc["invoice_number"].startswith("xxxx")
