@@ -25,6 +25,11 @@ from formwork.grammar.backend import Matcher, set_only_tokens
 from formwork.grammar.closing_search import ClosingSearch
 
 SLACK = 2                # tokens of budget kept for what the next free token may add
+# A pick that makes the closing path longer (opens a member, an element, a call) is
+# refused, though a path fits after it, when fewer than ROOM tokens would be left to
+# the model before steering writes that path: what it opened would come back as
+# placeholders (`{"capital": "Mumbai", "": ""}`, a call with `"city": ""`).
+ROOM = 2
 # The searches run on the engine thread beside the forward and compete for its cores:
 # measured at batch 32 (bench/structured_shapes.py 'flat'), window 32 / every 4 tokens
 # cost 28 ms of fill per step (628 tok/s, 906 with budget-aware off); 16 / 8 cost
@@ -187,8 +192,14 @@ def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int
     finally:
         matcher.rollback(1)
     if after is not None:
-        budget.pending = (token_id, after)
-        return None
+        if path is None or len(after) <= len(path) or \
+                budget.left - 1 - len(after) - SLACK >= ROOM or len(path) > budget.left:
+            budget.pending = (token_id, after)
+            return None
+        # It fits, but it opens what only the path's placeholders would fill (a new
+        # member or element, a call's trigger): close along the known path instead.
+        budget.closed_early = True
+        return path[0] if path else search.eos
     # Refused. The known path may be one a pick kept without a search (`com` after
     # `example.`, whose path began with `0`): search here for the shortest, which
     # the replacement starts (its first token, not the stale path's `0` that let an

@@ -596,21 +596,22 @@ AUTO_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + LO
              '", "unit": "celsius"}}\n</tool_call>')
 
 
-@pytest.mark.parametrize("budget", [12, 24, 36, 44])
+@pytest.mark.parametrize("budget", [12, 24, 36, 37, 44])
 def test_a_tool_call_under_tool_choice_auto_is_closed_or_never_begun(manager, tokenizer,
                                                                      budget):
     """tool_choice "auto" (a structural tag: free text, `<tool_call>` then a call): a
     call cut at max_tokens was returned as its raw text in `content`. Now a call that
     can still close in the tokens left is closed (its argument shortened), and the
-    token that would complete the trigger with no room for a call is refused (the
-    output ends there, no call begun). Also under 16 tokens, where the request starts
-    inside its window (the guard used to wait for a probe that never ran there)."""
+    token that would complete the trigger is refused where the call cannot close, or
+    could only as placeholders (fewer than ROOM tokens of its own: `"city": ""`), so
+    the output ends there, no call begun. Also under 16 tokens, where the request
+    starts inside its window (the guard used to wait for a probe that never ran)."""
     params = _auto_tools()
     text, terminated, _, _ = _write(manager, tokenizer, f"auto-{budget}", None, AUTO_CALL,
                                     budget, params=params)
     assert terminated, text
     if "<tool_call>" not in text:
-        assert budget < 36 and AUTO_CALL.startswith(text)
+        assert budget < 37 and AUTO_CALL.startswith(text)
         return
     head, _, rest = text.partition("<tool_call>\n")
     body, end, tail = rest.partition("\n</tool_call>")
@@ -618,7 +619,7 @@ def test_a_tool_call_under_tool_choice_auto_is_closed_or_never_begun(manager, to
     call = json.loads(body)
     assert call["name"] == "get_weather"
     jsonschema.validate(call["arguments"], CALL["items"]["anyOf"][0]["properties"]["arguments"])
-    assert LONG_CITY.startswith(call["arguments"]["city"])
+    assert call["arguments"]["city"] and LONG_CITY.startswith(call["arguments"]["city"])
 
 
 INVOICE = {"type": "object", "additionalProperties": False,
@@ -651,3 +652,20 @@ def test_a_document_longer_than_the_probe_closes_after_a_long_string(manager, to
     doc = json.loads(text)
     jsonschema.validate(doc, INVOICE)
     assert doc["invoice_number"].startswith("xxxx")
+
+
+OBJECT = ('{\n "capital": "Mumbai",\n "population": 12000000,\n'
+          ' "landmarks": ["Gateway of India", "Marine Drive"]\n}')
+
+
+def test_a_member_that_could_only_be_a_placeholder_is_not_opened(manager, tokenizer):
+    """json_object, a model writing a three-member object under budgets too small for
+    it: a pick that opens another member (`,`) while it still fits but leaves the
+    model fewer than ROOM tokens of its own is refused, and the object closes where it
+    is. It used to be opened and filled by the path (`"capital": "Mumbai","":""}`:
+    an empty key, 5 of 16 budgets here)."""
+    for budget in range(8, 40, 2):
+        text, terminated, _, _ = _write(manager, tokenizer, f"obj-{budget}", None, OBJECT,
+                                        budget, params=P(json_object=True))
+        assert terminated and isinstance(json.loads(text), dict), text
+        assert '"":' not in text, (budget, text)
