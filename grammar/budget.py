@@ -198,8 +198,9 @@ def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int
             return None
         # It fits, but it opens what only the path's placeholders would fill (a new
         # member or element, a call's trigger): close along the known path instead.
-        budget.closed_early = True
-        return path[0] if path else search.eos
+        closer = path[0] if path else search.eos
+        budget.closed_early = closer is not None
+        return closer
     # Refused. The known path may be one a pick kept without a search (`com` after
     # `example.`, whose path began with `0`): search here for the shortest, which
     # the replacement starts (its first token, not the stale path's `0` that let an
