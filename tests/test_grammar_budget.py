@@ -199,9 +199,9 @@ def test_a_request_whose_search_failed_is_not_searched_again(manager, tokenizer,
     searched = []
     real = manager._closing.path                          # noqa: SLF001
 
-    def path(matcher, limit):
+    def path(matcher, limit, **kw):
         searched.append(limit)
-        return real(matcher, limit)
+        return real(matcher, limit, **kw)
     monkeypatch.setattr(manager._closing, "path", path)   # noqa: SLF001
     text, terminated, steered = _run(manager, tokenizer, "long", P(json=schema), 40)
     assert not terminated and not steered
