@@ -547,18 +547,29 @@ def test_a_closing_path_is_spelled_in_the_tokenizers_own_tokens(manager, tokeniz
     assert search.path(matcher, len(path)) == path
 
 
+_PIECES: list[str] = []
+
+
+def _pieces(tokenizer) -> list[str]:
+    """Each token's text (decoded once per test run)."""
+    if not _PIECES:
+        _PIECES.extend(tokenizer.decode([t]) for t in range(VOCAB))
+    return _PIECES
+
+
 def _write(manager, tokenizer, rid, schema, target, budget, params=None):
     """A model that writes `target` (the longest allowed token that continues it, then
     the stop token), committed as core/token_commit does: (text, finished by the
     grammar, steered, guarded picks)."""
     out: list[int] = []
+    piece = _pieces(tokenizer)
 
     def pick(allowed, others):
         done = tokenizer.decode(out)
         rest = target[len(done):] if target.startswith(done) else ""
-        fits = [t for t in others if rest.startswith(tokenizer.decode([t]) or "\0")]
+        fits = [t for t in others if piece[t] and rest.startswith(piece[t])]
         if fits:
-            return max(fits, key=lambda t: len(tokenizer.decode([t])))
+            return max(fits, key=lambda t: len(piece[t]))
         return tokenizer.eos_token_id if tokenizer.eos_token_id in allowed else others[0]
     return _decode(manager, tokenizer, rid, params or P(json=schema), budget, pick, guard=True,
                    out=out)
