@@ -191,17 +191,13 @@ def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int
         after = search.path(matcher, budget.left - 1, any_path=True)
     finally:
         matcher.rollback(1)
-    if after is not None:
-        if path is None or len(after) <= len(path) or \
-                budget.left - 1 - len(after) - SLACK >= ROOM or len(path) > budget.left:
-            budget.pending = (token_id, after)
-            return None
-        # It fits, but it opens what only the path's placeholders would fill (a new
-        # member or element, a call's trigger): close along the known path instead.
-        closer = path[0] if path else search.eos
-        budget.closed_early = closer is not None
-        return closer
-    # Refused. The known path may be one a pick kept without a search (`com` after
+    if after is not None and (path is None or len(after) <= len(path) or len(path) > budget.left
+                              or budget.left - 1 - len(after) - SLACK >= ROOM):
+        budget.pending = (token_id, after)
+        return None
+    # Refused: no path fits after it, or it opens what only the path's placeholders
+    # would fill (a new member or element, a call's trigger) and the output closes
+    # where it is instead. The known path may be one a pick kept without a search (`com` after
     # `example.`, whose path began with `0`): search here for the shortest, which
     # the replacement starts (its first token, not the stale path's `0` that let an
     # email grow `0000012345` while the model kept asking to close it).
