@@ -116,9 +116,11 @@ def forced_next(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int 
     left, else None. Searches when due (so a second call in a step does not)."""
     if budget.probe_at is None:           # the request's first step: nothing accepted yet
         budget.probe_at = _probe_point(search, budget, matcher)
+    # The probe also runs at the start of a request inside its window: the guard
+    # runs from the probe on.
     if not budget.probed and budget.left <= budget.probe_at:
-        _probe(search, budget, matcher)   # also at the start of a request inside its window:
-    if budget.left > budget.window:       # the guard runs from the probe on
+        _probe(search, budget, matcher)
+    if budget.left > budget.window:
         return None
     if budget.closing is None and budget.search_due():
         budget.found(search.path(matcher, budget.left))

@@ -158,8 +158,8 @@ class ClosingSearch:
         """Tokens (at most `limit`) that lead `matcher` to a state where the output may
         end; None if none is found (or the first dive says none will be: HOPELESS).
         In each closer order: its first dive, then a search for a shorter path; each
-        path found is respelled in the tokenizer's own tokens (`_respelled`) and the
-        shortest that fits is kept. The matcher's state is unchanged.
+        path found is respelled in the tokenizer's own tokens (`_respelled`; the forced
+        text before it is already) and the shortest that fits is kept. The matcher's state is unchanged.
         Text the grammar forces from here (a key name after its opening quote, where
         the only token allowed may be the whole name: no closer, no single byte) is
         the path's start, as every step's forced text is. `any_path`: the first
@@ -173,16 +173,14 @@ class ClosingSearch:
                     else None)
         finally:
             matcher.rollback(len(lead))
-        if rest is None:
-            return None
-        return self._respelled(matcher, lead + rest) if lead else rest
+        return None if rest is None else lead + rest
 
     def _respelled(self, matcher: Matcher, path: list[int]) -> list[int]:
         """`path`'s text in the tokenizer's own tokens where they are fewer and close
         the output as well. The search builds its path from closers, single bytes and
         forced names, so its text comes in more pieces than the tokenizer's merges make
         of it (`{` `"` `name` `"` `:` `"` against `{"` `name` `":"`): a tool call's
-        path from its start was 29 tokens, spelled 22. The path's length decides
+        path from its start was 29 tokens, spelled 21. The path's length decides
         whether the output can close and when it is steered onto the path, and the
         path is then what the output is written in: a call that fit in its 32 tokens
         was steered from its second token on and left no room for an argument
