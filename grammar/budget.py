@@ -140,7 +140,8 @@ def _probe_point(search: ClosingSearch, budget: Budget, matcher: Matcher) -> int
 
 
 def _probe(search: ClosingSearch, budget: Budget, matcher: Matcher) -> None:
-    """PROBE_AT tokens before the end: where this request's window opens."""
+    """The request's first search (`probe_at` tokens before the end, or at its start
+    if it has fewer): where its window opens."""
     budget.probed = True
     path = search.path(matcher, budget.left)
     budget.found(path)
@@ -162,20 +163,22 @@ def steer(search: ClosingSearch, budget: Budget, matcher: Matcher, bitmask: torc
 
 def guard(search: ClosingSearch, budget: Budget, matcher: Matcher, token_id: int) -> int | None:
     """The closing path's next token in place of a sampled `token_id` after which no
-    closing path fits in the tokens left; None to keep the pick.
+    closing path fits in the tokens left, or which opens what only the path's
+    placeholders would fill (ROOM); None to keep the pick.
 
     SLACK covers a free token that lengthens the path by a token or two (string
     content, a digit), not one that opens a structure: `},` in a list of records with
     12 tokens left starts an element whose required fields need 14 more, and the
     output was cut (4 of 6 chats at max_tokens 40 on such a schema). So from the
-    probe on (PROBE_AT tokens before the end; only inside the window, a probe's tiny
+    probe on (`probe_at` tokens before the end; only inside the window, a probe's tiny
     path let the model open, before the window, what then could not close) every pick
     that leaves the known path is tried on the matcher: if the known path still closes
     the output from there (string content, a digit: the common case,
     `Matcher.closes_with`, ~2 us on llguidance), it is kept; else the new state is
     searched, its first dive only (`any_path`: whether a path fits, not the shortest),
-    and a pick with no path in the tokens left is replaced by the first token of the
-    shortest path from before it. The path kept or found serves the next step (no
+    and a pick with no path in the tokens left, or one that lengthens the path and
+    leaves the model fewer than ROOM tokens of its own, is replaced by the first token
+    of the shortest path from before it. The path kept or found serves the next step (no
     second search). A search that misses an existing path only closes the output a
     little sooner."""
     if budget.gave_up or not budget.probed:
