@@ -131,7 +131,29 @@ class EngineLoop:
                 frame = self.in_sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle(self.decoder.decode(frame.buffer))
+            try:
+                msg = self.decoder.decode(frame.buffer)
+            except msgspec.DecodeError as e:
+                self._unreadable(frame.buffer, e)
+                continue
+            self._handle(msg)
+
+    def _unreadable(self, buf, err: msgspec.DecodeError) -> None:
+        """A message the decoder refuses (the gateway checks requests before sending
+        them: schemas/engine.encode_input; a client of another version could still
+        send one): the engine carries on, and a request it can name is finished
+        with an error rather than left waiting."""
+        log.error("unreadable input message dropped: %s", err)
+        try:
+            raw = msgspec.msgpack.decode(buf)
+        except msgspec.DecodeError:
+            return
+        if isinstance(raw, dict) and raw.get("type") == "add" \
+                and isinstance(raw.get("request_id"), str):
+            self._send(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                request_id=raw["request_id"], new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error=f"the engine could not read this request: {err}")]))
 
     def _handle(self, msg: InputMessage) -> None:
         match msg:

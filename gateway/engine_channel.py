@@ -25,7 +25,7 @@ from formwork.core.ipc import make_ipc_dir
 from formwork.gateway.engine_launch import bind_pair
 from formwork.gateway.errors import EngineDeadError
 from formwork.schemas.engine import (EngineCoreOutputs, EngineCoreUtility, EngineInfo,
-                                     InputMessage, UtilityResult)
+                                     InputMessage, UtilityResult, encode_input)
 
 SEND_RETRY_S = 0.005
 
@@ -74,7 +74,7 @@ class EngineChannel:
         """Never blocks for good: a PUSH socket without a live peer would wait forever
         (e.g. the engine got the same SIGTERM as this process), so send without
         blocking and give up with EngineDeadError once `gone()` says the engine is."""
-        data = self._encoder.encode(msg)
+        data = encode_input(self._encoder, msg)
         while True:
             try:
                 await self._in.send(data, flags=zmq.NOBLOCK, copy=False)

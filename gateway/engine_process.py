@@ -31,7 +31,7 @@ from formwork.gpu.model_files import load_model_tokenizer
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.engine import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
                                      EngineCoreUtility, EngineInfo, EngineShutdown, EngineStats,
-                                     InputMessage)
+                                     InputMessage, encode_input)
 
 POLL_MS = 200
 _SHUTDOWN = msgspec.msgpack.encode(EngineShutdown())
@@ -126,7 +126,7 @@ class EngineProcess:
 
     # -- I/O ---------------------------------------------------------------------
     def _send(self, msg: InputMessage) -> None:
-        data = self._encoder.encode(msg)
+        data = encode_input(self._encoder, msg)
         while True:
             try:
                 self._in.send(data, zmq.NOBLOCK, copy=False)

@@ -12,6 +12,7 @@ from formwork.gateway.errors import APIError, bad_request
 from formwork.gateway.serve_options import jinja_syntax_error
 from formwork.gateway.tools import ToolMode, tool_constraint
 from formwork.grammar.selection import validate_params
+from formwork.schemas.errors import msgspec_refusal
 from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
 from formwork.schemas.sampling import (SamplingParams, check_priority, check_token_ids,
                                        resolve_bad_words, with_stop_ids)
@@ -101,10 +102,13 @@ def _extension(req: ChatCompletionRequest | CompletionRequest
     if raw.get("json") is False:
         raise bad_request(f"structured_outputs.json: {FALSE_SCHEMA}",
                           param="structured_outputs.json")
+    if raw.get("json") is True:       # the schema `true`: any JSON value, as `{}`
+        raw["json"] = {}
     try:
         return msgspec.convert(raw, StructuredOutputsParams), {}
     except msgspec.ValidationError as e:
-        raise bad_request(f"structured_outputs: {e}", param="structured_outputs") from None
+        err = msgspec_refusal(e, "structured_outputs")
+        raise bad_request(f"{err.param}: {err.message}", param=err.param) from None
 
 
 def _with_options(params: StructuredOutputsParams | None, opts: dict,
@@ -122,7 +126,8 @@ def _with_options(params: StructuredOutputsParams | None, opts: dict,
     try:
         return msgspec.convert(msgspec.to_builtins(params) | opts, StructuredOutputsParams)
     except msgspec.ValidationError as e:
-        raise bad_request(f"{param}: {e}", param=param) from None
+        err = msgspec_refusal(e, param)
+        raise bad_request(f"{err.param}: {err.message}", param=err.param) from None
 
 
 def structured_from_request(

@@ -25,3 +25,18 @@ def param_of(err: ValueError) -> str | None:
     if param is None and (m := PARAM_PREFIX.match(str(err))):
         param = m.group(1)
     return param
+
+
+# where a msgspec ValidationError points: "Expected `int`, got `str` - at `$.max_whitespace`"
+_MSGSPEC_AT = re.compile(r"^(.*) - at `\$\.?([^`]*)`$", re.S)
+
+
+def msgspec_refusal(err: Exception, prefix: str) -> ParamError:
+    """A msgspec ValidationError of a value decoded under `prefix` as the ParamError
+    naming the field it points at (`$.choice[0]` under "structured_outputs":
+    "structured_outputs.choice[0]"); `prefix` itself where it points nowhere."""
+    m = _MSGSPEC_AT.match(str(err))
+    if m is None:
+        return ParamError(prefix, str(err))
+    path = m.group(2)
+    return ParamError(f"{prefix}.{path}" if path else prefix, m.group(1))

@@ -101,6 +101,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     disable_fallback: bool = False
 
     def __post_init__(self) -> None:
+        if self.json is True:     # the schema `true` accepts any value, as `{}` does;
+            self.json = {}        # the wire type (dict | str) has no bool
         if self.disable_any_whitespace:
             self.whitespace = "compact"
         if self.disable_additional_properties:
@@ -125,6 +127,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ParamError(f"structured_outputs.{kind}", f"not valid JSON: {e}") from None
+        if kind == "json" and value is True:
+            return {}
         return value
 
     def validate(self) -> None:

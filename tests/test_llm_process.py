@@ -7,10 +7,14 @@ import signal
 import subprocess
 import sys
 
+import json
+
+import msgspec
 import pytest
 
-from formwork import LLM, SamplingParams
+from formwork import LLM, SamplingParams, StructuredOutputsParams
 from formwork.gateway.engine_process import EngineDiedError
+from formwork.schemas.engine import EngineCoreRequest
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -66,6 +70,53 @@ def test_a_dead_engine_fails_the_call_instead_of_hanging(tiny_model_dir):
     with pytest.raises(EngineDiedError, match="engine process exited"):
         llm.generate(prompts(2), SamplingParams(max_tokens=50, **GREEDY), use_tqdm=False)
     llm.shutdown()
+
+
+def test_a_request_the_engine_cannot_read_never_kills_it(tiny_model_dir):
+    """msgspec checks types when it decodes, not when a struct is built: a value of
+    the wrong type set from Python used to reach the engine, whose decoder raised
+    and took the process down (the server's `"schema": true` did, and its replay
+    of the same request killed the restarted engine too). Now the sender refuses it
+    naming the field, and a frame the engine still cannot read fails its request
+    alone."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    try:
+        pid = llm.engine.info.pid
+        # the schema `true` is any JSON value, as `{}`
+        out = llm.generate(prompts(1), SamplingParams(
+            max_tokens=24, temperature=0, structured_outputs=StructuredOutputsParams(json=True)),
+            use_tqdm=False)[0].outputs[0]
+        if out.finish_reason == "stop":
+            json.loads(out.text)
+        sp = SamplingParams(max_tokens=4, **GREEDY)
+        bad = sp.clone(structured_outputs=StructuredOutputsParams(json={}))
+        bad.structured_outputs.json = 5
+        with pytest.raises(ValueError, match="structured_outputs.json") as e:
+            llm.generate(prompts(3), [sp, bad, sp], use_tqdm=False)
+        assert e.value.param == "structured_outputs.json"
+        with pytest.raises(ValueError) as e:
+            llm.generate([{"prompt_token_ids": [100, 101.5]}], sp, use_tqdm=False)
+        assert e.value.param == "prompt"
+        # a frame past the sender's check: its request fails alone, the engine serves on
+        raw = msgspec.to_builtins(EngineCoreRequest(request_id="unreadable",
+                                                    prompt_token_ids=[1, 2], sampling_params=sp))
+        raw["prompt_token_ids"] = "not a list"
+        llm.engine._in.send(msgspec.msgpack.encode(raw))
+        seen = []
+        while not any(o.request_id == "unreadable" for o in seen) and len(seen) < 50:
+            seen += llm.engine._recv().outputs       # earlier aborts' outputs may come first
+        (failed,) = [o for o in seen if o.request_id == "unreadable"]
+        assert failed.finish_reason == "error" and failed.new_token_ids == []
+        assert "could not read this request" in failed.error
+        llm.engine._in.send(b"\xc1 not msgpack")           # no request to name: dropped
+        got = llm.generate(prompts(2), sp, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in got] == [4, 4]
+        assert llm.engine.info.pid == pid and llm.engine._proc.is_alive()
+        stats = llm.get_stats()
+        assert stats.num_running == stats.num_waiting == 0
+        assert stats.kv_free_blocks == stats.kv_total_blocks
+    finally:
+        llm.shutdown()
 
 
 def test_env_switch_keeps_the_engine_in_process(tiny_model_dir, monkeypatch):

@@ -852,6 +852,25 @@ def test_beam_search_on_both_endpoints(client, model):
     assert chat.choices[0].message.content != chat.choices[1].message.content
 
 
+def test_schema_true_is_any_json_and_keeps_the_engine(server):
+    """`"schema": true` (any value, as `{}`) used to reach the engine as a bool its
+    decoder refused: the engine died, and the request's replay killed the restarted
+    one too. Each spelling is served now; the engine never restarts."""
+    before = httpx.get(f"{server.url}/health", timeout=10).json()["engine_restarts"]
+    for extra in ({"response_format": {"type": "json_schema",
+                                       "json_schema": {"name": "any", "schema": True}}},
+                  {"structured_outputs": {"json": True}}, {"guided_json": "true"}):
+        r = _post(server, _chat(max_tokens=24, temperature=0, **extra))
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            json.loads(choice["message"]["content"])
+    r = _post(server, _chat(structured_outputs={"json": {}, "max_whitespace": "2"}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.max_whitespace"
+    assert httpx.get(f"{server.url}/health", timeout=10).json() == {
+        "status": "ready", "engine_restarts": before}
+
+
 @pytest.mark.parametrize("body,status,param,code,words", ERROR_CASES)
 def test_error_responses(server, body, status, param, code, words):
     r = _post(server, body)

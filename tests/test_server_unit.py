@@ -95,9 +95,20 @@ def test_structured_outputs_extension_and_aliases():
     assert s.json == {"type": "string"}
     s, _ = structured_from_request(CompletionRequest(prompt="x", guided_choice=["y", "n"]))
     assert s.choice == ["y", "n"]
-    with pytest.raises(APIError) as e:
-        structured_from_request(chat(structured_outputs={"regex": 5}))
-    assert e.value.param == "structured_outputs"
+    # a value of the wrong type is refused naming its field
+    for so, param in (({"regex": 5}, "structured_outputs.regex"),
+                      ({"choice": ["a", 2]}, "structured_outputs.choice[1]"),
+                      ({"json": {}, "max_whitespace": "2"}, "structured_outputs.max_whitespace")):
+        with pytest.raises(APIError) as e:
+            structured_from_request(chat(structured_outputs=so))
+        assert e.value.param == param and e.value.message.startswith(param + ": Expected")
+    # the schema `true` accepts any value, as `{}` does (a dict on the engine's wire)
+    for spelled in (True, "true"):
+        s, _ = structured_from_request(chat(structured_outputs={"json": spelled}))
+        assert s.spec() == {}
+    s, _ = structured_from_request(chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "any", "schema": True}}))
+    assert s.json == {} and s.spec() == {}
     with pytest.raises(APIError) as e:
         structured_from_request(chat(response_format={"type": "json_object"},
                                      structured_outputs={"regex": "a"}))
