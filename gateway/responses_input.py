@@ -12,6 +12,7 @@ path raises are renamed to it by `responses_error`.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -28,6 +29,7 @@ _RENAMES = (("response_format.json_schema.schema", "text.format.schema"),
             ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
             ("max_completion_tokens", "max_output_tokens"), ("messages", "input"),
             ("reasoning_effort", "reasoning.effort"))
+_CHAT_TOOL = re.compile(r"^tools\[(\d+)\]\.function((?:[.\[].*)?)$")
 
 
 def check_supported(req: ResponsesRequest) -> None:
@@ -195,11 +197,15 @@ def chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatComplet
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise bad_request(f"input: {where}: {first.get('msg')}", param="input") from None
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}"
+                        for p in first.get("loc", ())).lstrip(".")
+        param = _renamed(where) or where
+        raise bad_request(f"{param}: {first.get('msg')}", param=param) from None
 
 
 def _renamed(text: str) -> str | None:
+    if m := _CHAT_TOOL.match(text):           # Responses tools are flat: tools[i].parameters
+        return f"tools[{m.group(1)}]{m.group(2)}"
     for old, new in _RENAMES:
         if text == old or text.startswith((old + ".", old + "[")):
             return new + text[len(old):]

@@ -348,6 +348,8 @@ def app_client():
     ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
     ({"instructions": "x"}, 400, "input"),
     ({"input": "hi", "model": "other"}, 404, "model"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": True}]}, 400,
+     "tools[0].parameters"),
 ])
 def test_http_errors_name_the_field(app_client, body, status, param):
     r = app_client.post("/v1/responses", json=body)
