@@ -277,20 +277,41 @@ def float_multiple_of(node: dict) -> dict | None:
     float is such a multiple. So a number node keeps to multiples of p / 2^a
     (integer nodes to multiples of p): stricter, and valid under both readings.
     Past 2^-54 (0.07, 0.7, 1e-05) even integers fail (checked: 42,713 of 200,000
-    for 0.7): None."""
+    for 0.7): None. A step of more than MAX_STEP_DIGITS fraction digits (1e-09 ->
+    1/512, or 2^-9 itself) is coarsened to its smallest multiple that has at most
+    that many (1/256): llguidance's own check is unsound past them (below)."""
     m = node.get("multipleOf")
     if not isinstance(m, float) or m <= 0 or m.is_integer():
         return node
     decimal = Fraction(repr(m))
     error = abs(Fraction(m) - decimal) / decimal
-    if error == 0:
-        return node
     if error > Fraction(1, 2 ** 54):
         return None
-    twos = decimal.denominator & -decimal.denominator       # 2^a
+    if error == 0 and _within_scale(decimal) == decimal:
+        return node
     t = node.get("type")
     numbers = t is None or t == "number" or isinstance(t, list) and "number" in t
-    step = Fraction(decimal.numerator, twos) if numbers else Fraction(decimal.numerator)
+    if not numbers:
+        step = Fraction(decimal.numerator)
+    else:
+        twos = decimal.denominator & -decimal.denominator       # 2^a
+        step = _within_scale(Fraction(decimal.numerator, twos))
+    if step == decimal:
+        return node
     if step.denominator > 1 and Fraction(float(step)) != step:
         return None                     # a numerator past 2^53: no float says it
     return node | {"multipleOf": int(step) if step.denominator == 1 else float(step)}
+
+
+# llguidance 1.9 checks `multipleOf` d * 10^-s (its decimal digits d, its fraction
+# digits s) with u32 arithmetic: from s = 9 on it admits non-multiples (walks under
+# 1/512 = 0.001953125: 21 of 61 outputs were not multiples; under 3e-10, 110 of
+# 166), for every d > 1 tried; s <= 8 admitted none.
+MAX_STEP_DIGITS = 8
+
+
+def _within_scale(step: Fraction) -> Fraction:
+    """The smallest multiple of `step` written in at most MAX_STEP_DIGITS fraction
+    digits (`step` itself if it is): its multiples are multiples of `step`, so
+    generating them is sound, only stricter (1/512 -> 1/256)."""
+    return step * (step.denominator // math.gcd(step.denominator, 10 ** MAX_STEP_DIGITS))

@@ -646,7 +646,7 @@ def test_shorter_forms_of_a_decimal_step_keep_the_node(schema, texts, compile_fo
     ({"type": "number", "multipleOf": 0.01, "exclusiveMinimum": 0.5, "exclusiveMaximum": 0.75},
      False),
     ({"type": "number", "multipleOf": 0.01, "minimum": 0.51, "maximum": 0.75}, True),
-    ({"type": "integer", "multipleOf": 0.01, "minimum": 0.25, "maximum": 0.75}, False),
+    ({"type": "integer", "multipleOf": 0.3, "minimum": 1, "maximum": 2}, False),   # step 3
     ({"type": "number", "multipleOf": 0.01, "minimum": 0.5, "maximum": 1}, True),
 ])
 def test_decimal_multiple_of_that_cannot_be_served_is_named(schema, served):
@@ -658,7 +658,30 @@ def test_decimal_multiple_of_that_cannot_be_served_is_named(schema, served):
     assert (info.value.issues[0].keyword, info.value.issues[0].path) == ("multipleOf", "$")
 
 
-@pytest.mark.parametrize("m", [0.01, 0.1, 0.05, 0.3, 0.001, 1e-06, 0.07, 0.7, 1e-05, 0.02, 1.1])
+@pytest.mark.parametrize("m,texts", [
+    # each False text was accepted before: llguidance checks multipleOf in u32
+    # arithmetic and admits non-multiples from 9 fraction digits on
+    (1e-10, {"6.7434229644": False, "43708.3125812553": False, "0.5": True, "0.00390625": True,
+             "7": True}),
+    (0.001953125, {"95.454078841": False, "50.131313585": False, "0.00390625": True, "3": True}),
+    (2.5e-09, {"792.9025389701": False, "38.1990325173": False, "0.25": True}),
+    (3e-10, {"5.648482921": False, "7372.4078479744": False, "0.01171875": True, "3": True}),
+])
+def test_a_step_of_nine_or_more_fraction_digits_is_coarsened(m, texts, compile_for, tokenizer,
+                                                             vocab):
+    """A step written in more than 8 fraction digits is served as its smallest
+    multiple written in 8 or fewer (1/512 -> 1/256): sound, only stricter."""
+    schema = {"type": "number", "multipleOf": m}
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, texts)
+    outputs = list(_walk_outputs(compiled, vocab, random.Random(repr(m))))
+    for text in outputs:
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
+@pytest.mark.parametrize("m", [0.01, 0.1, 0.05, 0.3, 0.001, 1e-06, 0.07, 0.7, 1e-05, 0.02, 1.1,
+                               1e-10, 3e-10, 0.001953125, 1e-12])
 def test_float_multiple_of_claim(m):
     """Where float_multiple_of narrows the step, jsonschema's own test passes every
     multiple of it (200,000 near zero, 20,000 past 2^50, where floats thin out) and
@@ -675,6 +698,7 @@ def test_float_multiple_of_claim(m):
     step = Fraction(narrowed["multipleOf"])
     decimal = Fraction(repr(m))
     assert step.denominator & (step.denominator - 1) == 0           # dyadic: floats say it
+    assert step.denominator <= 2 ** 8                                # 8 fraction digits at most
     assert (step / decimal).denominator == 1                        # a decimal multiple
     assert all(passes(float(j * step)) for j in range(-100_000, 100_000))
     far = 2 ** 50 // step.numerator * step.numerator
@@ -682,8 +706,9 @@ def test_float_multiple_of_claim(m):
     integer = float_multiple_of({"type": "integer", "multipleOf": m})
     assert integer["type"] == "integer" and isinstance(integer["multipleOf"], int)
     assert all(passes(j * integer["multipleOf"]) for j in range(-100_000, 100_000))
-    # and the decimal multiples off the step: some fail
-    assert not all(passes(float(k * decimal)) for k in range(1, 2000))
+    # and the decimal multiples off the step: some fail (where m is not a float exactly)
+    if Fraction(m) != decimal:
+        assert not all(passes(float(k * decimal)) for k in range(1, 2000))
 
 
 def test_a_top_level_alternation_pattern_is_served_by_auto(compile_for, tokenizer, vocab):
@@ -968,3 +993,71 @@ def test_min_properties_inside_a_condition_is_not_blamed():
         choose_backend(P(json=schema))
     assert "minProperties" not in {i.keyword for i in info.value.issues}
     assert "if" in {i.keyword for i in info.value.issues}
+
+
+# --- number ranges at the ends of 64 bits, and ranges that hold nothing ---------------------
+
+LOW = -2 ** 63
+
+
+@pytest.mark.parametrize("schema,texts", [
+    # llguidance 1.9 crashed the process (SIGSEGV) building these: the gateway's check
+    # took the server down; now xgrammar serves them
+    ({"type": "integer", "minimum": LOW, "maximum": LOW + 8},
+     {str(LOW): True, str(LOW + 8): True, str(LOW + 9): False, "0": False}),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": LOW + 1,
+                                             "maximum": LOW + 100}}, "required": ["n"]},
+     {f'{{"n":{LOW + 50}}}': True, f'{{"n":{LOW}}}': False, '{"n":5}': False}),
+])
+def test_int64_floor_ranges_are_served_without_llguidance(schema, texts, compile_for, tokenizer,
+                                                          vocab):
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "xgrammar"
+    judge(compiled, tokenizer, vocab, schema, texts)
+    for text in _walk_outputs(compiled, vocab, random.Random(json.dumps(schema))):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+    with pytest.raises(UnsupportedSchemaError, match="'maximum' at") as info:
+        choose_backend(P(json=schema, backend="llguidance"))
+    assert "-2^63 + 1024" in str(info.value)
+
+
+@pytest.mark.parametrize("schema,keyword", [
+    # read as int64, the minimum became 2^63 - 1: every output was below it
+    ({"type": "integer", "minimum": 2 ** 63, "maximum": 2 ** 63 + 5}, "minimum"),
+    ({"type": "integer", "exclusiveMinimum": 2 ** 63 - 1}, "exclusiveMinimum"),
+    # past 64 bits llguidance's reader raised "Value is not JSON serializable" (no keyword)
+    ({"type": "object", "properties": {"v": {"type": "integer", "minimum": 2 ** 64}}},
+     "minimum"),
+])
+def test_bounds_llguidance_reads_wrongly_are_refused_by_name(schema, keyword):
+    with pytest.raises(UnsupportedSchemaError) as info:
+        choose_backend(P(json=schema, backend="llguidance"))
+    issue = info.value.issues[0]
+    assert issue.keyword == keyword
+    assert issue.path == ("$.properties.v" if "properties" in schema else "$")
+
+
+@pytest.mark.parametrize("schema,empty", [
+    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 5e-324}, True),  # no double
+    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-323}, False),
+    ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, True),
+    ({"type": "integer", "minimum": 1.5, "maximum": 1.7}, True),
+    ({"type": "number", "minimum": 1.5, "maximum": 1.7}, False),
+    ({"type": "number", "exclusiveMinimum": 0.1, "maximum": 0.1}, True),
+    ({"type": "number", "minimum": 10 ** 400}, False),          # one bound only: not judged here
+    ({"type": "number", "minimum": 10 ** 400, "maximum": 10 ** 401}, True),
+    ({"type": ["integer", "null"], "exclusiveMinimum": 1, "exclusiveMaximum": 2}, False),
+])
+def test_number_ranges_that_hold_nothing_are_refused(schema, empty):
+    """xgrammar built a rule for `exclusiveMinimum: 0, exclusiveMaximum: 5e-324` that
+    matched the empty text: outputs that were not JSON. A range no value of the
+    node's type meets is refused for every backend, naming where."""
+    from formwork.grammar.schema_check import check_bounds
+    if not empty:
+        check_bounds(schema)
+        return
+    with pytest.raises(ValueError, match=r"at \$: .* lies between them"):
+        check_bounds(schema)
+    for backend in ("auto", "xgrammar", "llguidance"):
+        with pytest.raises(ValueError, match="lies between them"):
+            choose_backend(P(json=schema, backend=backend))
