@@ -65,6 +65,7 @@ LOWEST_BOUND = -(2**63) + 1024
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
 _FORMAT = re.compile(r"Unknown format: (\S+)")
 _MISSING_REF = re.compile(r"Pointer '([^']*)' does not exist")
+_UNSERIALIZABLE = re.compile(r"not JSON serializable: (-?\d+)$")
 
 
 def json_options(params: StructuredOutputsParams) -> dict[str, Any]:
@@ -152,8 +153,27 @@ def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
 def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
     generated = _closed(schema, params)
     _refuse_duplicate_name_counts(generated)
-    return llg.LLMatcher.grammar_from_json_schema(
-        generated, defaults=json_options(params), overrides=_SOUND)
+    try:
+        return llg.LLMatcher.grammar_from_json_schema(
+            generated, defaults=json_options(params), overrides=_SOUND)
+    except UnsupportedSchemaError:
+        raise
+    except ValueError as e:        # its JSON reader: "Value is not JSON serializable: 2**64"
+        raise _unreadable_value(schema, str(e)) from None
+
+
+def _unreadable_value(schema: Any, message: str) -> UnsupportedSchemaError:
+    """llguidance's refusal of a value it cannot read (an integer past 64 bits), naming
+    the keyword that holds it."""
+    if m := _UNSERIALIZABLE.search(message):
+        value = int(m.group(1))
+        for sn in iter_nodes(schema):
+            for kw, v in sn.schema.items():
+                if is_number(v) and v == value:
+                    return UnsupportedSchemaError([SchemaIssue(
+                        kw, sn.path, f"{kw} {value}: llguidance reads integers of at most "
+                                     "64 bits")], "llguidance")
+    return native_schema_error(schema, message, "llguidance")
 
 
 def _float_multiple(node: dict) -> dict:
@@ -181,6 +201,31 @@ def _refuse_float_multiples(schema: Any) -> None:
         raise UnsupportedSchemaError([SchemaIssue(
             "multipleOf", sn.path, f"multipleOf {m!r}: jsonschema checks it in binary "
                                    f"floating point, where {why}")], "llguidance")
+
+
+def _refuse_int64_ranges(schema: Any) -> None:
+    """Number ranges llguidance 1.9 reads wrongly, refused naming the bound: it reads
+    integer bounds as int64, so a lower bound past 2^63 - 1 became 2^63 - 1 (under
+    `minimum: 2^63, maximum: 2^63 + 5` every output was 9223372036854775807, below
+    the minimum); and a range wholly at or below LOWEST_BOUND, whose minimum
+    `raise_lowest_bound` cannot raise without emptying it, it cannot build -- with a
+    minimum there too (an int64 range of the lowest few hundred values) building it
+    crashed the process (SIGSEGV in `validate_grammar`), in the gateway's synchronous
+    check and again in the engine."""
+    for sn in iter_nodes(schema):
+        for kw in ("maximum", "exclusiveMaximum"):
+            v = sn.schema.get(kw)
+            if is_number(v) and v <= LOWEST_BOUND:
+                raise UnsupportedSchemaError([SchemaIssue(
+                    kw, sn.path, f"{kw} {v}: llguidance builds no number range that lies "
+                                 f"wholly at or below {LOWEST_BOUND} (-2^63 + 1024)")],
+                    "llguidance")
+        for kw in ("minimum", "exclusiveMinimum"):
+            v = sn.schema.get(kw)
+            if is_number(v) and v >= 2**63 - (kw == "exclusiveMinimum"):
+                raise UnsupportedSchemaError([SchemaIssue(
+                    kw, sn.path, f"{kw} {v}: llguidance reads number bounds as 64-bit "
+                                 "integers, where this one would be 2^63 - 1")], "llguidance")
 
 
 # Subschemas an instance is tested against, never generated from.
@@ -263,6 +308,7 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
         raise UnsupportedSchemaError([SchemaIssue("false", "$", "the schema admits no value")],
                                      "llguidance")
     _refuse_float_multiples(schema)
+    _refuse_int64_ranges(schema)
     disputed = _disputed_pattern_names(schema)
     if disputed:                             # `allOf` beside it, say: merged, it may pass
         merged = normalize(schema, exact_false=True)

@@ -10,9 +10,12 @@ or is enforced exactly, or only made stricter (e.g. fixed property order).
 """
 from __future__ import annotations
 
+import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import jsonschema
@@ -114,6 +117,65 @@ def check_bounds(schema: Any) -> None:
             if _number(a) and _number(b) and a > b:
                 raise ValueError(f"invalid JSON Schema at {node.path}: {lo} {a} > {hi} {b}, "
                                  f"no {what} satisfies both")
+        if empty := _empty_number_range(node.schema):
+            raise ValueError(f"invalid JSON Schema at {node.path}: {empty}")
+
+
+def _empty_number_range(node: dict) -> str:
+    """'' unless the node's numeric bounds, exclusive ones included, admit no value
+    that jsonschema would pass: no integer for an integer node (`exclusiveMinimum:
+    0, exclusiveMaximum: 1`), no binary float otherwise (`exclusiveMinimum: 0,
+    exclusiveMaximum: 5e-324`: no double lies between them). Not an error of the
+    meta-schema, yet a backend given such a range may build a rule that matches
+    nothing, and xgrammar's matched the empty text: outputs that were not JSON."""
+    lows, highs = [], []
+    for kw, inclusive, out in (("minimum", "exclusiveMinimum", lows),
+                               ("maximum", "exclusiveMaximum", highs)):
+        v, ex = node.get(kw), node.get(inclusive)
+        if _number(v):
+            out.append((kw, v, ex is True))          # draft 4: a boolean beside it
+        if _number(ex):
+            out.append((inclusive, ex, True))
+    if not lows or not highs:
+        return ""
+    t = node.get("type")
+    types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else {"number"}
+    if not types or not types <= {"number", "integer"}:
+        return ""                   # a value of another type may still pass (or none is a number)
+    integers = "number" not in types
+    least = [_least(v, strict, integers) for _, v, strict in lows]
+    if None not in least and all(_fits_below(max(least), v, strict) for _, v, strict in highs):
+        return ""
+    (lo_kw, lo, _), (hi_kw, hi, _) = lows[-1], highs[-1]
+    return (f"{lo_kw} {lo} and {hi_kw} {hi}: no {'integer' if integers else 'number'} "
+            "lies between them")
+
+
+def _least(v: float, strict: bool, integers: bool) -> Fraction | None:
+    """The least integer, or finite binary float, at (or, `strict`, above) `v`,
+    exactly; None where no finite float is."""
+    if integers:
+        return Fraction(math.floor(v) + 1 if strict else math.ceil(v))
+    try:
+        f = float(v)
+    except OverflowError:                            # an integer past every double
+        return None if v > 0 else Fraction(-sys.float_info.max)
+    if math.isinf(f):
+        return None if f > 0 else Fraction(-sys.float_info.max)
+    while Fraction(f) < Fraction(v) or strict and Fraction(f) == Fraction(v):
+        f = math.nextafter(f, math.inf)
+        if math.isinf(f):
+            return None
+    while True:                                      # float() may have rounded upward
+        below = math.nextafter(f, -math.inf)
+        if Fraction(below) > Fraction(v) or not strict and Fraction(below) == Fraction(v):
+            f = below
+        else:
+            return Fraction(f)
+
+
+def _fits_below(x: Fraction, v: float, strict: bool) -> bool:
+    return x < Fraction(v) if strict else x <= Fraction(v)
 
 
 def _number(x: Any) -> bool:

@@ -871,6 +871,22 @@ def test_schema_true_is_any_json_and_keeps_the_engine(server):
         "status": "ready", "engine_restarts": before}
 
 
+def test_an_int64_floor_range_no_longer_kills_the_server(server):
+    """llguidance crashed (SIGSEGV) building an integer range of the lowest few
+    hundred int64 values, in the gateway's synchronous schema check: the request
+    took the whole server down. Now served (by xgrammar), the output in range."""
+    low = -2 ** 63
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": low,
+                                                     "maximum": low + 8}}, "required": ["n"]}
+    r = _post(server, _chat(max_tokens=40, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ready"
+
+
 @pytest.mark.parametrize("body,status,param,code,words", ERROR_CASES)
 def test_error_responses(server, body, status, param, code, words):
     r = _post(server, body)
