@@ -253,7 +253,18 @@ class StructuredOutputManager:
             return True
         if reason := getattr(matcher, "error", ""):
             self._requests[request_id].error = f"grammar matcher failed: {reason.splitlines()[0]}"
+        elif not matcher.is_terminated() and not self._allows_any(matcher):
+            self._requests[request_id].error = (
+                "the constraint admits no token here: no text continues it (its language is "
+                "empty from this point, e.g. a regex of UTF-16 surrogates, which no UTF-8 "
+                "text holds)")
         return False
+
+    def _allows_any(self, matcher: Matcher) -> bool:
+        """Whether the matcher's mask allows some token (asked only after a refusal)."""
+        row = allocate_bitmask(1, self.vocab_size)
+        matcher.fill_bitmask(row, 0)
+        return bool(row.any())
 
     def is_terminated(self, request_id: str) -> bool:
         return self._matcher(request_id).is_terminated()

@@ -202,6 +202,23 @@ def test_min_tokens_never_outlives_the_grammars_end(llm, temperature):
     assert len(out[0].outputs[0].token_ids) >= 5
 
 
+def test_a_constraint_nothing_can_continue_fails_saying_so(llm):
+    """A regex of UTF-16 surrogates compiles (xgrammar) but no UTF-8 text matches it:
+    the mask allows nothing, and the request failed with a bare "grammar rejected
+    token". It still fails alone, saying why; the next request is served."""
+    from formwork import StructuredOutputsParams
+
+    out = llm.generate({"prompt_token_ids": _ids(6, 1)}, SamplingParams(
+        max_tokens=4, temperature=0,
+        structured_outputs=StructuredOutputsParams(regex="[\\ud800-\\udfff]")), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.finish_reason == "error" and "admits no token here" in c.error, c
+    ok = llm.generate({"prompt_token_ids": _ids(6, 1)}, SamplingParams(
+        max_tokens=4, temperature=0, structured_outputs=StructuredOutputsParams(regex="[ab]+")),
+        use_tqdm=False)[0].outputs[0]
+    assert ok.error is None and set(ok.text) <= {"a", "b"} and ok.text
+
+
 def test_vllm_structured_outputs_flags(llm):
     """vLLM's StructuredOutputsParams flags are taken offline: disable_any_whitespace
     gives compact JSON (no whitespace the schema does not ask for)."""
