@@ -62,12 +62,33 @@ def backend_format(node: dict, supported: frozenset[str], draft3: bool) -> dict:
         return node
     defined = SPEC_FORMATS | DRAFT3_FORMATS if draft3 else SPEC_FORMATS
     if fmt not in defined:
-        return {k: v for k, v in node.items() if k != "format"}
+        rest = {k: v for k, v in node.items() if k != "format"}
+        return _integer_width(rest, INTEGER_WIDTHS[fmt]) if fmt in INTEGER_WIDTHS else rest
     if fmt in REFERENCE_FORMATS and "uri" in supported:
         rest = {k: v for k, v in node.items() if k != "format"}
         return _conjoin(rest, "anyOf", [{"format": "uri"}, {"pattern": RELATIVE_REF}])
     narrower = (DRAFT3_ALIASES.get(fmt) if draft3 else None) or NARROWER_FORMAT.get(fmt)
     return node | {"format": narrower} if narrower in supported else node
+
+
+# OpenAPI's integer formats (no JSON Schema draft defines them: annotations for a
+# validator). A model wrote 30 digits under `format: int64`, which a client's int64
+# field cannot hold; their ranges are generated instead (stricter, as valid).
+INTEGER_WIDTHS = {"int32": 31, "int64": 63}
+
+
+def _integer_width(node: dict, bits: int) -> dict:
+    """`node` with its integers kept to [-2^bits, 2^bits - 1] (its own bounds kept)."""
+    t = node.get("type")
+    if not (t == "integer" or isinstance(t, list) and "integer" in t and "number" not in t):
+        return node
+    lo, hi = node.get("minimum"), node.get("maximum")
+    out = dict(node)
+    if not is_number(lo) or lo < -2 ** bits:
+        out["minimum"] = -2 ** bits
+    if not is_number(hi) or hi > 2 ** bits - 1:
+        out["maximum"] = 2 ** bits - 1
+    return out
 
 
 _YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"   # not 0000

@@ -1061,3 +1061,19 @@ def test_number_ranges_that_hold_nothing_are_refused(schema, empty):
     for backend in ("auto", "xgrammar", "llguidance"):
         with pytest.raises(ValueError, match="lies between them"):
             choose_backend(P(json=schema, backend=backend))
+
+
+@pytest.mark.parametrize("fmt,bits", [("int32", 31), ("int64", 63)])
+def test_openapi_integer_formats_keep_to_their_width(fmt, bits, compile_for, tokenizer, vocab):
+    """`format: int64` annotates only (no draft defines it), and a model wrote 30
+    digits under it; OpenAPI's integer widths are generated as ranges (stricter)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "format": fmt}},
+              "required": ["n"]}
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    for n, inside in ((2 ** bits - 1, True), (2 ** bits, False), (-2 ** bits + 2048, True),
+                      (-2 ** bits - 1, False), (10 ** 29, False), (7, True)):
+        assert accepts(compiled, tokenizer, vocab, f'{{"n":{n}}}') == inside, n
+    for text in _walk_outputs(compiled, vocab, random.Random(fmt)):
+        n = json.loads(text)["n"]
+        assert -2 ** bits <= n < 2 ** bits, text
