@@ -27,6 +27,7 @@ from uvicorn.config import STARTUP_FAILURE
 from formwork.core.engine_proc import cuda_graphs_text
 from formwork.gateway.admission import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_WAITING, Admission,
                                         AdmissionMiddleware, max_generating)
+from formwork.gateway.constraint_check import ConstraintChecker
 from formwork.gateway.dp_client import DPEngineClient
 from formwork.gateway.engine_factory import make_engine_client
 from formwork.gateway.errors import APIError, install_error_handlers
@@ -135,6 +136,7 @@ def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None,
         if defaults:
             log.info("sampling defaults for fields a request leaves out (--generation-config "
                      "%s): %s", requests.generation_config, defaults)
+        constraints = ConstraintChecker()
         app.state.server = ServerState(engine=engine, tokenizer=tokenizer,
                                        served_model_names=names,
                                        max_model_len=info.max_model_len,
@@ -143,11 +145,14 @@ def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None,
                                        scheduling_policy=config.scheduling_policy,
                                        reasoning_parser=reasoning_parser,
                                        options=requests, default_sampling=defaults,
-                                       extra_stop_ids=extra_stop)
+                                       extra_stop_ids=extra_stop, constraints=constraints)
+        warm = asyncio.create_task(asyncio.to_thread(constraints.start))
         try:
             yield
         finally:
             log.info("shutting down the engine")
+            warm.cancel()
+            constraints.shutdown()
             tokenizers.shutdown()
             await engine.shutdown()
             release_engines()

@@ -4,10 +4,12 @@ Pure functions; every refusal is an APIError 400 naming the request field.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgspec
 
+from formwork.gateway.constraint_check import ConstraintChecker
 from formwork.gateway.errors import APIError, bad_request
 from formwork.gateway.serve_options import jinja_syntax_error
 from formwork.gateway.tools import ToolMode, tool_constraint
@@ -165,6 +167,19 @@ def validate_constraint(params: StructuredOutputsParams, source: str,
         validate_params(params, default_backend)      # params.validate() first
     except ValueError as e:
         raise bad_request(f"{source}: {e}", param=source) from None
+
+
+async def check_constraint(checker: ConstraintChecker | None, params: StructuredOutputsParams,
+                           source: str, default_backend: str = "auto") -> None:
+    """`validate_constraint` off the event loop: in the server's checking process
+    (gateway/constraint_check.py: native code that crashes takes only that process
+    down), or on a thread where there is none (the unit tests' apps)."""
+    if checker is None:
+        await asyncio.to_thread(validate_constraint, params, source, default_backend)
+        return
+    message = await checker.check(params, default_backend)
+    if message is not None:
+        raise bad_request(f"{source}: {message}", param=source)
 
 
 def context_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,

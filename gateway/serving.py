@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 
+from formwork.gateway.constraint_check import ConstraintChecker
 from formwork.gateway.dp_client import DPEngineClient
 from formwork.gateway.engine_client import EngineClient, EngineRequestError
 from formwork.gateway.errors import APIError
@@ -36,6 +37,8 @@ class ServerState:
     max_token_chars: int = 1 << 30      # the tokenizer's longest token (gateway/limits.py)
     # chat templating / tokenizing off the event loop; None: inline (unit tests' apps)
     tokenizers: TokenizerPool | None = None
+    # constraints checked in a worker process; None: on a thread (unit tests' apps)
+    constraints: ConstraintChecker | None = None
     scheduling_policy: str = "fcfs"     # the engines' (a request's priority needs "priority")
     reasoning_parser: str | None = None   # vLLM's --reasoning-parser (gateway/reasoning.py)
     options: RequestOptions = field(default_factory=RequestOptions)   # gateway/serve_options.py

@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: request -> prompt + SamplingParams -> JSON or SSE."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.params import (chat_logprobs, chat_max_tokens, check_max_logprobs,
                                      context_max_tokens, explicit_prompt_logprobs, log_request,
                                      sampling_params, template_kwargs,
-                                     structured_from_request, validate_constraint)
+                                     structured_from_request, check_constraint)
 from formwork.gateway.reasoning import END, ReasoningSplitter, split_reasoning, thinks_first
 from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
@@ -69,7 +68,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     if req.use_beam_search:
         check_beam_request(req, source, chat=True)
     if structured is not None:
-        await asyncio.to_thread(validate_constraint, structured, source,
+        await check_constraint(state.constraints, structured, source,
                                 state.engine.config.structured_backend)
     if req.truncate_prompt_tokens is None:     # a truncated prompt may be longer (body limit)
         check_text_fits((t for m in req.messages for t in _texts(m.content)),

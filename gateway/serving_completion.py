@@ -27,7 +27,7 @@ from formwork.gateway.output_check import check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.params import (check_max_logprobs, context_max_tokens,
                                      explicit_prompt_logprobs, log_request, sampling_params,
-                                     structured_from_request, validate_constraint)
+                                     structured_from_request, check_constraint)
 from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
 from formwork.schemas.openai import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
@@ -104,7 +104,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     if req.use_beam_search:
         check_beam_request(req, source, chat=False)
     if structured is not None:
-        await asyncio.to_thread(validate_constraint, structured, source,
+        await check_constraint(state.constraints, structured, source,
                                 state.engine.config.structured_backend)
     prompts = await state.run_tokenizer(_prompts, state, req.prompt, req.truncate_prompt_tokens)
     params = [sampling_params(req, max_tokens=context_max_tokens(
