@@ -21,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
+import ctypes
 import logging
 import multiprocessing
+import sys
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
@@ -46,6 +49,17 @@ def check_constraint(params: StructuredOutputsParams, default_backend: str) -> s
     except ValueError as e:
         return str(e)
     return None
+
+
+PROCESS_NAME = b"fw-constraints"    # the workers' name in ps / top (comm), beside "python"
+
+
+def _init_worker() -> None:
+    """Dies with the server, and is named so that it is told from the engine process."""
+    die_with_parent()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, PROCESS_NAME, 0, 0, 0)  # PR_SET_NAME
 
 
 def _ready() -> bool:
@@ -85,7 +99,7 @@ class ConstraintChecker:
     @staticmethod
     def _new_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
         return concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=die_with_parent)
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
 
     def _discard(self, pool: concurrent.futures.ProcessPoolExecutor, kill: bool = False) -> None:
         if self._pool is pool:

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from formwork.core.ipc import IPC_PREFIX
+from formwork.gateway.constraint_check import PROCESS_NAME
 from formwork.gateway.shutdown import FATAL_EXIT_CODE
 from test_server import KEY, Server, gone, metrics
 
@@ -33,8 +34,10 @@ def _tiny_server(tiny_model_dir, *args: str, **kw) -> Server:
 
 
 def _engine_pid(server: Server) -> int:
+    """The EngineCore: the server's spawned child that is not its constraint checker."""
     kids = psutil.Process(server.proc.pid).children()
-    return next(k.pid for k in kids if "spawn_main" in " ".join(k.cmdline()))
+    return next(k.pid for k in kids if "spawn_main" in " ".join(k.cmdline())
+                and k.name() != PROCESS_NAME.decode())
 
 
 def test_engine_death_gives_503_then_the_engine_comes_back(tiny_model_dir):
