@@ -41,7 +41,7 @@ CRASHED = ("the grammar compiler crashed on this constraint (the process checkin
            "it is refused")
 
 
-def check_constraint(params: StructuredOutputsParams, default_backend: str) -> str | None:
+def constraint_verdict(params: StructuredOutputsParams, default_backend: str) -> str | None:
     """In the worker: None if some backend serves `params`, else the refusal's text."""
     from formwork.grammar.selection import validate_params   # the worker's first call imports
     try:
@@ -72,7 +72,8 @@ class ConstraintChecker:
     """`await check(params, backend)`: None, or the message of a refusal (a bad
     schema, regex or grammar, or one that crashed the checking process)."""
 
-    def __init__(self, check: Callable[[StructuredOutputsParams, str], str | None] = check_constraint,
+    def __init__(self,
+                 check: Callable[[StructuredOutputsParams, str], str | None] = constraint_verdict,
                  *, workers: int = WORKERS, cache_size: int = CACHE_SIZE,
                  timeout_s: float = TIMEOUT_S) -> None:
         """`check` must be a module-level function (the worker imports it by name)."""

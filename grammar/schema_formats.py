@@ -317,8 +317,6 @@ def float_multiple_of(node: dict) -> dict | None:
     else:
         twos = decimal.denominator & -decimal.denominator       # 2^a
         step = _within_scale(Fraction(decimal.numerator, twos))
-    if step == decimal:
-        return node
     if step.denominator > 1 and Fraction(float(step)) != step:
         return None                     # a numerator past 2^53: no float says it
     return node | {"multipleOf": int(step) if step.denominator == 1 else float(step)}

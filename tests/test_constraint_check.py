@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from formwork.gateway.constraint_check import CRASHED, ConstraintChecker, check_constraint
+from formwork.gateway.constraint_check import CRASHED, ConstraintChecker, constraint_verdict
 from formwork.schemas.structured import StructuredOutputsParams as P
 
 
@@ -22,7 +22,7 @@ def crash_on_marker(params: P, backend: str) -> str | None:
         os.kill(os.getpid(), signal.SIGSEGV)
     if title == "slow":
         time.sleep(30)
-    return check_constraint(params, backend)
+    return constraint_verdict(params, backend)
 
 
 def test_a_crashing_constraint_is_refused_and_the_others_are_checked():
@@ -57,7 +57,7 @@ def test_a_hung_check_is_abandoned_and_not_remembered():
         verdict = await checker.check(slow, "auto")
         assert "took more than 2 s" in verdict and time.monotonic() - t0 < 20
         assert await checker.check(P(json={"type": "boolean"}), "auto") is None   # a new worker
-        assert len(checker._cache) == 1                                       # the timeout is not kept
+        assert len(checker._cache) == 1                # the timeout is not kept
     try:
         asyncio.run(run())
     finally:
