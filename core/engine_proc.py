@@ -150,10 +150,13 @@ class EngineLoop:
             return
         if isinstance(raw, dict) and raw.get("type") == "add" \
                 and isinstance(raw.get("request_id"), str):
-            self._send(EngineCoreOutputs(outputs=[EngineCoreOutput(
-                request_id=raw["request_id"], new_token_ids=[],
-                finish_reason=FinishReason.ERROR,
-                error=f"the engine could not read this request: {err}")]))
+            self._fail(raw["request_id"], f"the engine could not read this request: {err}")
+
+    def _fail(self, request_id: str, error: str, param: str | None = None) -> None:
+        """Finish a request the engine did not take, with `error` (OpenAI's param)."""
+        self._send(EngineCoreOutputs(outputs=[EngineCoreOutput(
+            request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
+            error=error, error_param=param)]))
 
     def _handle(self, msg: InputMessage) -> None:
         match msg:
@@ -163,10 +166,7 @@ class EngineLoop:
                 try:
                     self.core.add_request(msg)
                 except ValueError as e:  # refused: finish it alone, the engine carries on
-                    self._send(EngineCoreOutputs(outputs=[EngineCoreOutput(
-                        request_id=msg.request_id, new_token_ids=[],
-                        finish_reason=FinishReason.ERROR, error=str(e),
-                        error_param=param_of(e))]))
+                    self._fail(msg.request_id, str(e), param_of(e))
             case EngineCoreAbort():
                 # applied at once (between steps), so a later message sees them done
                 self.core.abort_requests(msg.request_ids)

@@ -10,7 +10,7 @@ import logging
 import msgspec
 
 from formwork.gateway.constraint_check import ConstraintChecker
-from formwork.gateway.errors import APIError, bad_request
+from formwork.gateway.errors import APIError, bad_request, from_value_error
 from formwork.gateway.serve_options import jinja_syntax_error
 from formwork.gateway.tools import ToolMode, tool_constraint
 from formwork.grammar.selection import validate_params
@@ -109,8 +109,7 @@ def _extension(req: ChatCompletionRequest | CompletionRequest
     try:
         return msgspec.convert(raw, StructuredOutputsParams), {}
     except msgspec.ValidationError as e:
-        err = msgspec_refusal(e, "structured_outputs")
-        raise bad_request(f"{err.param}: {err.message}", param=err.param) from None
+        raise from_value_error(msgspec_refusal(e, "structured_outputs")) from None
 
 
 def _with_options(params: StructuredOutputsParams | None, opts: dict,
@@ -128,8 +127,7 @@ def _with_options(params: StructuredOutputsParams | None, opts: dict,
     try:
         return msgspec.convert(msgspec.to_builtins(params) | opts, StructuredOutputsParams)
     except msgspec.ValidationError as e:
-        err = msgspec_refusal(e, param)
-        raise bad_request(f"{err.param}: {err.message}", param=err.param) from None
+        raise from_value_error(msgspec_refusal(e, param)) from None
 
 
 def structured_from_request(
