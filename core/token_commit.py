@@ -8,7 +8,7 @@ from formwork.core.interfaces import StructuredOutputManagerProtocol
 from formwork.core.output_buffer import OutputBuffer, RawLogprobs
 from formwork.core.request import Request, RequestStatus
 
-_FORCED: RawLogprobs = (0.0, [], 1)     # a token the grammar (or the budget) forced
+_FORCED: RawLogprobs = (0.0, [], 1)     # a token the budget (or the grammar) forced: p = 1 under it
 
 
 def commit_sampled(req: Request, token_id: int, lp: RawLogprobs | None, *,
@@ -34,8 +34,13 @@ def commit_sampled(req: Request, token_id: int, lp: RawLogprobs | None, *,
         return status
     if req.sampling_params.restricts_tokens:    # its tokens are sampled under its bans
         return None
+    if req.sampling_params.logprobs is not None:
+        # Logprobs were asked for: every token is sampled by the model, so each one
+        # carries the model's numbers (raw mode: its own distribution, as vLLM, which
+        # has no jump-forward), not the p = 1 of a continuation the grammar forced.
+        return None
     for forced in som.jump_forward_tokens(rid):
-        outputs.append(req, forced, _FORCED)   # forced by the grammar: p = 1 under it
+        outputs.append(req, forced, _FORCED)   # forced by the grammar (no logprobs asked)
         if (status := _stop_status(req, forced, max_model_len)) is not None:
             return status
     return None

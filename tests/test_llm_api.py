@@ -142,19 +142,30 @@ def test_reset_prefix_cache_forgets_cached_prompts_but_not_while_running(llm):
     assert cached() == 0
 
 
-def test_logprobs_of_tokens_the_grammar_forced(llm):
-    """Jump-forward appends the grammar's forced continuation: those positions carry
-    the pick itself (logprob 0 under the grammar, rank 1) in the same shape."""
+def test_logprobs_where_the_grammar_forces_the_continuation_are_the_models(llm, tiny_hf):
+    """A constraint that forces a long continuation: with logprobs asked, every
+    position carries the model's own numbers (raw mode, checked against HF), not a
+    p = 1 for tokens the grammar forced (jump-forward is off for such a request);
+    without logprobs the same request jumps forward through the same text."""
     from formwork import StructuredOutputsParams
 
-    sp = SamplingParams(max_tokens=30, temperature=0, logprobs=2,
-                        structured_outputs=StructuredOutputsParams(
-                            regex=r"x( is a forced continuation of several tokens)[0-9]"))
-    c = llm.generate({"prompt_token_ids": _ids(5, 3)}, sp, use_tqdm=False)[0].outputs[0]
+    prompt = _ids(5, 3)
+    so = dict(regex=r"x( is a forced continuation of several tokens)[0-9]")
+    sp = SamplingParams(max_tokens=30, temperature=0, logprobs=K,
+                        structured_outputs=StructuredOutputsParams(**so))
+    c = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].outputs[0]
     assert c.finish_reason == "stop" and c.text.startswith("x is a forced continuation")
     assert len(c.logprobs) == len(c.token_ids) > 5
-    forced = [e[t] for t, e in zip(c.token_ids, c.logprobs) if len(e) == 1]
-    assert forced and all(lp.logprob == 0.0 and lp.rank == 1 for lp in forced)
+    ref = hf_logprobs(tiny_hf, prompt + c.token_ids)[len(prompt) - 1:]
+    for j, (tid, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+        assert next(iter(entry)) == tid
+        _check_entry(entry, tid, ref[j], K)       # a random tiny model: far from p = 1
+    plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=30, temperature=0, structured_outputs=StructuredOutputsParams(**so)),
+        use_tqdm=False)[0].outputs[0]
+    # the digit after it is the model's pick over another tokenization of the
+    # same text (jump-forward writes the canonical one): it may differ
+    assert plain.text[:-1] == c.text[:-1] and plain.logprobs is None
 
 
 def test_vllm_constructor_arguments(tiny_model_dir):
