@@ -70,11 +70,14 @@ def _text_content(msg: ChatMessage, index: int) -> str:
     if isinstance(msg.content, str):
         return msg.content
     parts = []
-    for part in msg.content:
-        if part.get("type") not in ("text", "input_text") or not isinstance(part.get("text"), str):
+    for j, part in enumerate(msg.content):
+        if part.get("type") not in ("text", "input_text"):
             raise bad_request(
                 f"messages[{index}].content: only text content parts are supported, "
                 f"got type {part.get('type')!r}", param=f"messages[{index}].content")
+        if not isinstance(part.get("text"), str):
+            where = f"messages[{index}].content[{j}].text"
+            raise bad_request(f"{where}: a text part needs its 'text' string", param=where)
         parts.append(part["text"])
     return "".join(parts)
 

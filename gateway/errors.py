@@ -110,14 +110,103 @@ def from_value_error(err: ValueError, *, param_prefix: str = "") -> APIError:
     return bad_request(text, param=param)
 
 
-def _loc_to_param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
-    if not parts:
-        return None
-    out = parts[0]
-    for p in parts[1:]:
+def _loc_to_param(loc: tuple, prefix: str = "") -> str | None:
+    parts = [str(p) for p in loc if p != "body" and not _is_union_tag(p)]
+    if not prefix:
+        if not parts:
+            return None
+        prefix, parts = parts[0], parts[1:]
+    out = prefix
+    for p in parts:
         out += f"[{p}]" if p.isdigit() else f".{p}"
     return out
+
+
+def describe_validation_errors(errors: list[dict], prefix: str = "") -> tuple[str | None, str]:
+    """(param, message) for pydantic's `errors()` of a value under `prefix`: the
+    first error, a union's tries counted as one."""
+    first = errors[0] if errors else {}
+    param = _loc_to_param(tuple(first.get("loc", ())), prefix)
+    msg = first.get("msg", "invalid request")
+    text, covered = (f"{param}: {msg}" if param else msg), 1
+    if (union := _union_error(errors, prefix)) is not None:
+        param, text, covered = union
+    if len(errors) > covered:
+        text += f" (and {len(errors) - covered} more error(s))"
+    return param, text
+
+
+# pydantic puts the union member it tried into an error's loc (`stop.str`,
+# `tool_choice.literal['none','auto','required']`, `tool_choice.NamedToolChoice`);
+# a client's field has none of these: lower-case names and list indices.
+_PRIMITIVES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+               "none": "null"}
+
+
+def _is_union_tag(p) -> bool:
+    return isinstance(p, str) and ("[" in p or p in _PRIMITIVES or p[:1].isupper())
+
+
+def _describe_member(tag: str) -> str:
+    if tag in _PRIMITIVES:
+        return _PRIMITIVES[tag]
+    if tag.startswith("literal[") and tag.endswith("]"):
+        values = tag[len("literal["):-1].split(",")
+        return values[0] if len(values) == 1 else "one of " + ", ".join(values)
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = tag[len("list["):-1]
+        if inner.startswith("dict[") or inner[:1].isupper():
+            return "a list of objects"
+        if inner in _PRIMITIVES:
+            return "a list of " + {"str": "strings", "int": "integers", "float": "numbers",
+                                   "bool": "booleans", "none": "nulls"}[inner]
+        return "a list of " + {"list[int]": "lists of integers",
+                               "list[str]": "lists of strings"}.get(inner, "lists")
+    return "an object"       # a model class or a dict
+
+
+def _union_error(errors: list[dict], prefix: str = "") -> tuple[str, str, int] | None:
+    """(param, message, errors it covers) where the first error is a union's: the
+    branch that got furthest into the value, else what the union takes."""
+    loc = tuple(p for p in errors[0].get("loc", ()) if p != "body")
+    at = next((i for i, p in enumerate(loc) if _is_union_tag(p)), None)
+    if at is None:
+        return None
+    field = loc[:at]
+    group = [e for e in errors
+             if (el := tuple(p for p in e.get("loc", ()) if p != "body"))[:at] == field
+             and len(el) > at and _is_union_tag(el[at])]
+    param = _loc_to_param(field, prefix) or "body"
+    depths = sorted(((len(e["loc"]) - e["loc"].index(
+        next(p for p in e["loc"][len(field):] if _is_union_tag(p))) - 1, i)
+        for i, e in enumerate(group)), reverse=True)
+    if depths[0][0] >= 1 and (len(depths) == 1 or depths[1][0] < depths[0][0]):
+        best = group[depths[0][1]]        # the branch the value's shape matched
+        where = _loc_to_param(tuple(p for p in best["loc"] if p != "body"), prefix) or param
+        return where, f"{where}: {best.get('msg', 'invalid value')}", len(group)
+    members: list[str] = []
+    for e in group:
+        tag = next(p for p in e["loc"][len(field):] if _is_union_tag(p))
+        if (d := _describe_member(tag)) not in members:
+            members.append(d)
+    takes = members[0] if len(members) == 1 else \
+        ", ".join(members[:-1]) + " or " + members[-1]
+    return param, f"{param}: must be {takes}, got {_json_type(group[0].get('input'))}", \
+        len(group)
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -135,10 +224,7 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
         if first.get("type") == "missing":
             detail = "the body is empty"
         return invalid_json(detail).to_response()
-    msg = first.get("msg", "invalid request")
-    text = f"{param}: {msg}" if param else msg
-    if len(errors) > 1:
-        text += f" (and {len(errors) - 1} more error(s))"
+    param, text = describe_validation_errors(errors)
     return bad_request(text, param=param).to_response()
 
 

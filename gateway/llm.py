@@ -82,9 +82,9 @@ def _validated(model, value, where: str):
     try:
         return model.model_validate(value)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
-        raise ValueError(f"{where}{loc}: {err['msg']}") from None
+        from formwork.gateway.errors import describe_validation_errors
+
+        raise ValueError(describe_validation_errors(e.errors(), where)[1]) from None
 
 
 def _engine_process_default() -> bool:

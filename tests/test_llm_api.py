@@ -90,6 +90,8 @@ def test_chat_continue_final_message_and_own_template(llm):
      r"^messages\[1\]\[0\]\.content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
      r"^messages\[0\]\.content: only text content parts"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}], {},
+     r"^messages\[0\]\.content\[1\]\.text: a text part needs its 'text' string"),
     ([{"role": "user", "content": "hi"}], {"continue_final_message": True},
      "^continue_final_message: set add_generation_prompt=False"),
     ([{"role": "user", "content": "hi"}], {"tools": [{"type": "function"}]},

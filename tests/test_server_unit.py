@@ -268,6 +268,49 @@ def test_error_json_shape(error_client, body, status, param, text):
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("path,extra,param,text", [
+    # a value no member of the union takes: what the field takes, in words
+    ("chat", {"stop": 5}, "stop", "stop: must be a string or a list of strings, got the number 5"),
+    ("chat", {"tool_choice": "bogus"}, "tool_choice",
+     "must be one of 'none', 'auto', 'required' or an object, got a string"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+     "must be a string or a list of objects"),
+    ("completions", {"prompt": None}, "prompt",
+     "must be a string, a list of strings, a list of integers or a list of lists of "
+     "integers, got null"),
+    # a value whose shape picked a member: that member's own error, where it is
+    ("chat", {"stop": ["a", 5]}, "stop[1]", "valid string"),
+    ("chat", {"tool_choice": {"type": "function"}}, "tool_choice.function", "Field required"),
+    ("chat", {"tool_choice": {"type": "function", "function": {}}},
+     "tool_choice.function.name", "Field required"),
+    ("completions", {"prompt": [[1, "a"]]}, "prompt[0][1]", "valid integer"),
+])
+def test_union_fields_name_the_field_not_pydantics_member(path, extra, param, text):
+    """pydantic tries each member of a union (`str | list[str]`) and puts the member
+    into the error's location (`stop.str`, `tool_choice.literal[...]`): the client's
+    field is named instead, with what it takes."""
+    from formwork.schemas.openai import CompletionRequest
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        return {"ok": True}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return {"ok": True}
+
+    base = {"model": "m", "messages": MSGS} if path == "chat" else {"model": "m", "prompt": "x"}
+    url = "/v1/chat/completions" if path == "chat" else "/v1/completions"
+    r = TestClient(app).post(url, json={**base, **extra})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param and text in err["message"], err
+    assert "more error" not in err["message"]     # the union's tries are one error
+
+
 # ---- chat prompt ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
