@@ -156,6 +156,14 @@ def portable_classes(pattern: str, either: bool = False) -> str:
             out.append(_outside(".", either) if ch == "." else ch)
         else:
             if ch == "]":
+                if cls_negated and not either:
+                    # llguidance's negated class admits U+D7FF and U+E000 whenever it
+                    # holds both (`[^\W_]`: both are \W): the two sides of the
+                    # surrogate gap merge and its complement is cut one off at each
+                    # end. The same class with the gap as one explicit range is
+                    # right, and adds nothing where a class lacked either (they are
+                    # then excluded: an unassigned and a private-use character).
+                    out.append(f"{_char(0xD7FF)}-{_char(0xE000)}")
                 cls_negated = None
             elif ch == "[" or pattern[i:i + 2] in ("&&", "~~"):
                 # literal here for ECMA-262 and Python; Rust regex (llguidance,

@@ -152,13 +152,18 @@ def ref_issues(node: dict, root: Any) -> Issues:
 
 
 def _enum_issues(node: dict, validator: Any) -> Issues:
-    """enum/const win over every sibling: fine only if each value satisfies them."""
+    """enum/const win over every sibling: fine only if each value satisfies them.
+    Beside each other the backends keep one of the two (xgrammar `const`,
+    outlines-core `enum`): each value of either must then pass the other."""
+    if node.get("enum") == []:
+        return [("enum", "an empty enum admits no value (a backend given one generated "
+                         "text that is not JSON)")]
+    both = "const" in node and "enum" in node
     kw = "const" if "const" in node else "enum" if "enum" in node else None
-    if kw is None or not _siblings(node, "enum", "const"):
+    if kw is None or not (both or _siblings(node, "enum", "const")):
         return []
-    values = [node["const"]] if kw == "const" else list(node["enum"])
-    rest = {k: v for k, v in node.items() if k not in ("enum", "const")}
-    sub = validator.evolve(schema=rest)
+    values = ([node["const"]] if "const" in node else []) + list(node.get("enum") or [])
+    sub = validator.evolve(schema=node)
     bad = [v for v in values if not all(sub.is_valid(x) for x in emitted_forms(v))]
     if bad:
         return [(kw, f"value {json.dumps(bad[0])} violates sibling keywords, which are ignored")]

@@ -551,10 +551,13 @@ def test_regex_classes_are_ascii_on_every_backend(params, texts, compile_for, to
 # Characters where the readings of a class differ: Python's `re` (what jsonschema
 # checks `pattern` with) calls ١ and ٣ digits, é and ² word characters, \x1c and \x85
 # spaces and U+FEFF not one; ECMA-262 (JSON Schema's regex dialect) the opposite.
+# U+D7FF and U+E000 border the surrogate gap: llguidance's negated class admitted
+# both wherever it held both ([^\W_], [^\S], [^\D]).
 DISPUTED = ["1", "\u0661", "\u00b2", "a", "\u00e9", "_", " ", "\x1c", "\x85", "\u00a0",
-            "\ufeff", "\u2028", "\r", "-"]
+            "\ufeff", "\u2028", "\r", "-", "\ud7ff", "\ue000"]
 CLASS_FORMS = ["\\d", "\\D", "\\w", "\\W", "\\s", "\\S", "[\\d]", "[^\\d]", "[\\W]", "[^\\w]",
-               "[\\s]", "[^\\s]", "[\\S]", "[^\\S]", "."]
+               "[\\s]", "[^\\s]", "[\\S]", "[^\\S]", ".", "[^\\W_]", "[^\\D]", "[^\\W\\d]",
+               "[^\\uD7FF\\uE000]", "[^a]"]
 
 
 @pytest.mark.parametrize("backend,kind", [("xgrammar", "regex"), ("llguidance", "regex"),
@@ -1077,3 +1080,42 @@ def test_openapi_integer_formats_keep_to_their_width(fmt, bits, compile_for, tok
     for text in _walk_outputs(compiled, vocab, random.Random(fmt)):
         n = json.loads(text)["n"]
         assert -2 ** bits <= n < 2 ** bits, text
+
+
+@pytest.mark.parametrize("schema,keyword", [
+    ({"enum": []}, "enum"),
+    ({"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}, None),
+    ({"type": "array", "items": {"enum": []}, "minItems": 1}, None),
+    ({"const": 1, "enum": [2]}, None),
+    ({"const": 1, "enum": [1, 2]}, None),       # one backend keeps const, another enum
+])
+@pytest.mark.parametrize("backend", ALL)
+def test_enum_and_const_a_backend_would_drop_are_refused(schema, keyword, backend):
+    """outlines-core served `enum: []` (at the root, a required property, the items
+    of a non-empty array) with rules that matched the empty text, `{"a": }` and
+    `[]`; given `const` beside `enum`, xgrammar wrote the const and outlines-core
+    an enum value, each failing the other. Such a node is now refused (llguidance
+    calls it unsatisfiable) or served where every value it writes passes both."""
+    if schema == {"const": 1, "enum": [1, 2]} and backend in ("auto", "llguidance"):
+        return        # llguidance keeps both: served, checked below
+    with pytest.raises(UnsupportedSchemaError) as err:
+        choose_backend(P(json=schema, backend=backend))
+    if keyword:
+        assert err.value.issues[0].keyword == keyword
+
+
+@pytest.mark.parametrize("schema,texts", [
+    ({"const": 1, "enum": [1, 2]}, {"1": True, "2": False}),
+    ({"const": "a", "enum": ["a"]}, {'"a"': True, '"b"': False}),
+    ({"type": "object", "properties": {"a": {"enum": []}, "b": {"type": "integer"}},
+      "required": ["b"]}, {'{"b": 1}': True, '{"a": 1, "b": 1}': False}),
+])
+@pytest.mark.parametrize("backend", ALL)
+def test_enum_and_const_served_keep_to_both(schema, texts, backend, compile_for, tokenizer,
+                                            vocab):
+    try:
+        _, compiled = compile_for(P(json=schema, backend=backend))
+    except UnsupportedSchemaError:
+        assert backend in ("xgrammar", "outlines") and "const" in schema
+        return
+    judge(compiled, tokenizer, vocab, schema, texts)
