@@ -25,13 +25,14 @@ from formwork.gateway.serving import (ServerState, TokenText, blame, generate_fi
                              run_until_disconnect, sse, sse_error, stream_outputs)
 from formwork.gateway.completion_logprobs import prompt_logprobs_field
 from formwork.gateway.tool_parser import ToolStreamParser, finish_reason_with_tools, parse_tool_output
-from formwork.gateway.tools import ToolMode, resolve_tool_mode
+from formwork.gateway.tools import ToolMode, parameters_schema, resolve_tool_mode
 from formwork.schemas.engine import TokenLogprobs
 from formwork.schemas.openai import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                             ChatCompletionResponse, ChatStreamChoice, ChoiceLogprobs, DeltaMessage,
                             ResponseMessage, TokenLogprob, TopLogprob, UsageInfo)
 from formwork.schemas.openai_base import random_id
 from formwork.schemas.sampling import SamplingParams
+from formwork.schemas.structured import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -54,6 +55,18 @@ def _texts(content) -> list[str]:
     return []
 
 
+async def _blame_a_tool(state: ServerState, req: ChatCompletionRequest, mode: ToolMode) -> None:
+    """The combined tool constraint was refused: raise the first tool's own refusal,
+    named `tools[i].function.parameters` with its path inside that schema (the
+    combined one's error points into formwork's wrapper: `$.format.tags[0]...`, or a
+    call list's `minItems`). Returns where no tool fails alone (the answer format)."""
+    index = {t.function.name: i for i, t in enumerate(req.tools or ())}
+    for fn in mode.tools:
+        where = f"tools[{index.get(fn.name, 0)}].function.parameters"
+        await check_constraint(state.constraints, StructuredOutputsParams(
+            json=parameters_schema(fn)), where, state.engine.config.structured_backend)
+
+
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
     """All validation before anything is queued. The constraint check runs in a worker
     thread (it may compile); templating and tokenizing on a tokenizer worker thread
@@ -68,8 +81,13 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     if req.use_beam_search:
         check_beam_request(req, source, chat=True)
     if structured is not None:
-        await check_constraint(state.constraints, structured, source,
-                                state.engine.config.structured_backend)
+        try:
+            await check_constraint(state.constraints, structured, source,
+                                   state.engine.config.structured_backend)
+        except APIError:
+            if source == "tools" and mode is not None:
+                await _blame_a_tool(state, req, mode)
+            raise
     if req.truncate_prompt_tokens is None:     # a truncated prompt may be longer (body limit)
         check_text_fits((t for m in req.messages for t in _texts(m.content)),
                         state.max_model_len, state.max_token_chars, "messages")

@@ -47,7 +47,7 @@ from formwork.grammar.schema_normalize import map_subschemas, normalize
 from formwork.grammar.schema_oneof import inferred_types, pairwise_disjoint
 from formwork.grammar.schema_pattern_names import pattern_name_issues, portable_pattern_names
 from formwork.grammar import unique_items
-from formwork.grammar.schema_rules import duplicate_name_issues
+from formwork.grammar.schema_rules import duplicate_name_issues, enum_issues
 from formwork.grammar.schema_closing import close_declared_objects, drop_legacy_ref_siblings
 from formwork.grammar.schema_walk import iter_nodes, map_ref_targets, validator_class
 from formwork.grammar.structural_tag import AnswerOrCalls, answer_or_calls, triggered_tags
@@ -101,6 +101,10 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
         return UnsupportedSchemaError([SchemaIssue(
             culprit[0], culprit[1], f"llguidance: {message.strip().splitlines()[-1]} in "
                                     f"{culprit[2]!r}")], "llguidance")
+    elif "Unsatisfiable" in message and (culprit := _unsatisfiable_values(schema)):
+        return UnsupportedSchemaError([SchemaIssue(
+            culprit[0], culprit[1], f"{culprit[2]} (llguidance: {message.splitlines()[0]})")],
+            "llguidance")
     elif "oneOf" in message:
         keywords = ["oneOf"]
         message = "oneOf branches are not provably disjoint"
@@ -113,6 +117,22 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
     issues = [SchemaIssue(kw, locate_keyword(schema, kw), f"llguidance: {message.splitlines()[0]}")
               for kw in keywords]
     return UnsupportedSchemaError(issues, "llguidance")
+
+
+def _unsatisfiable_values(schema: Any) -> tuple[str, str, str] | None:
+    """(keyword, path, why) of the first node whose `enum`/`const` no value passes
+    (an empty enum, a const outside the enum beside it): where llguidance calls the
+    schema unsatisfiable it names what that made unmeetable (`required` at $), not
+    the node."""
+    if not isinstance(schema, dict):
+        return None
+    validator = validator_class(schema)(schema)
+    for sn in iter_nodes(schema):
+        for keyword, _ in enum_issues(sn.schema, validator):
+            why = "an empty enum admits no value" if sn.schema.get("enum") == [] else \
+                f"a value of '{keyword}' fails the keywords beside it"
+            return keyword, sn.path, why
+    return None
 
 
 def _regex_culprit(schema: Any) -> tuple[str, str, str] | None:

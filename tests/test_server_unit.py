@@ -503,3 +503,37 @@ def test_tool_arguments_keep_numbers_as_written(kind):
     if kind != "named":
         bad = text.replace('"name": "get_weather"', '"name": 5')
         assert parse_tool_output(mode, bad)[1] == []
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto", "named"])
+@pytest.mark.parametrize("bad,keyword", [({"const": 1, "enum": [2]}, "const"),
+                                         ({"enum": []}, "enum")])
+def test_a_tool_schema_no_value_meets_is_named_where_it_is(tokenizer, tool_choice, bad, keyword):
+    """The tools' combined constraint (a call list, a structural tag) was refused with
+    a path into formwork's own wrapper (`minItems at $`, `$.format.tags[0]...`): the
+    tool whose parameters fail alone is named, with the path inside its schema."""
+    from types import SimpleNamespace
+
+    from formwork.gateway.api_server import build_app
+    from formwork.gateway.metrics import Metrics
+    from formwork.gateway.serving import ServerState
+    from formwork.schemas.config import EngineConfig
+
+    app = build_app(EngineConfig(), served_model_names=["m"])
+    app.state.server = ServerState(engine=SimpleNamespace(config=EngineConfig()),
+                                   tokenizer=tokenizer, served_model_names=("m",),
+                                   max_model_len=1024, metrics=Metrics("m"))
+    ok = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    bad_tool = {"type": "function", "function": {"name": "bad", "parameters": {
+        "type": "object", "properties": {"x": bad}, "required": ["x"]}}}
+    # under "required" a call list is refused only when no tool can be called: beside
+    # a good tool llguidance drops the branch no call can take ("bad" is never called)
+    tools = [bad_tool] if tool_choice == "required" else \
+        [{"type": "function", "function": {"name": "good", "parameters": ok}}, bad_tool]
+    choice = {"type": "function", "function": {"name": "bad"}} if tool_choice == "named" \
+        else tool_choice
+    err = _body_error(TestClient(app, raise_server_exceptions=False).post(
+        "/v1/chat/completions", json={"model": "m", "messages": MSGS, "tools": tools,
+                                      "tool_choice": choice}))
+    assert err["param"] == f"tools[{len(tools) - 1}].function.parameters", err
+    assert f"keyword '{keyword}' at $.properties.x" in err["message"], err
