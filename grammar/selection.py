@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from formwork.grammar.xgrammar_productive import NoFiniteOutput
 from formwork.schemas.structured import StructuredOutputsParams
 
 # Each backend's check is its own converter (whether it accepts a constraint is
@@ -35,7 +36,46 @@ from formwork.schemas.structured import StructuredOutputsParams
 
 def _llguidance(params: StructuredOutputsParams) -> Any:
     from formwork.grammar.llguidance_grammar import to_llguidance  # lazily: see above
+    _finite(params)
     return to_llguidance(params)
+
+
+def _finite(params: StructuredOutputsParams) -> None:
+    """A constraint no output of which can end is refused for every backend
+    (llguidance writes into it until max_tokens; xgrammar's jump-forward never
+    returned): a schema with no finite instance (recursive schemas only, alone or
+    in a structural tag), a GBNF grammar with a rule that derives no finite text.
+    Read on xgrammar's conversion, so xgrammar loads only for those."""
+    from formwork.grammar.xgrammar_productive import recursive_refs
+    kind, spec = params.kind(), params.spec()
+    if kind == "grammar":
+        from formwork.grammar.xgrammar_backend import check_finite_grammar  # lazily: see above
+        check_finite_grammar(spec)
+        return
+    if kind == "json":
+        schemas = [spec]
+    elif kind == "structural_tag":
+        schemas = list(_tag_schemas(spec))
+    else:
+        return
+    for schema in schemas:
+        if isinstance(schema, dict) and recursive_refs(schema):
+            from formwork.grammar.xgrammar_backend import check_finite_json  # lazily
+            check_finite_json(schema)
+
+
+def _tag_schemas(node: Any):
+    """The JSON schemas inside a structural tag spec (every format's spelling)."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+            yield node["json_schema"]
+        elif "begin" in node and isinstance(node.get("schema"), dict):
+            yield node["schema"]
+        for v in node.values():
+            yield from _tag_schemas(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _tag_schemas(v)
 
 
 def _xgrammar(params: StructuredOutputsParams) -> Any:
@@ -99,6 +139,8 @@ def _choose(params: StructuredOutputsParams, default_backend: str, *,
             CHECKS[candidate](params)
             return candidate
         except ValueError as err:
+            if isinstance(err, NoFiniteOutput):
+                raise                       # true for every backend
             errors[candidate] = err
     raise errors[order[0]]
 

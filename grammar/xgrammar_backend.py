@@ -20,12 +20,16 @@ from formwork.grammar.schema_check import (
     SchemaIssue,
     UnsupportedSchemaError,
     check_schema,
+    locate_keyword,
     native_schema_error,
 )
 from formwork.grammar.escape_guard import SurrogateEscapeGuard
 from formwork.grammar.structural_tag import structural_tag_spec
 from formwork.grammar.utf8_guard import INVALID, ByteGuard, Utf8Guard
+from formwork.grammar.schema_walk import iter_nodes
 from formwork.grammar.vocab import TokenVocab, VocabKind
+from formwork.grammar.xgrammar_productive import (InfiniteGrammarError, NoFiniteOutput,
+                                                  recursive_refs, unproductive_rules)
 from formwork.schemas.structured import StructuredOutputsParams
 
 # Constraints whose output is JSON (a structural tag's free text too: escape_guard.py)
@@ -87,6 +91,67 @@ def _convert(kind: str, fn, schema: Any = None) -> xgr.Grammar:
 
 def to_xgrammar(params: StructuredOutputsParams) -> xgr.Grammar:
     """Check `params` and convert it to an xgrammar Grammar (no tokenizer needed)."""
+    return _checked(params)[0]
+
+
+def _checked(params: StructuredOutputsParams) -> tuple[xgr.Grammar, bool]:
+    """The Grammar, and whether jump-forward may run on it: refused where a rule
+    derives no finite text (xgrammar's jump-forward never returns there, see
+    xgrammar_productive.py); jump-forward off where that could not be read."""
+    grammar = _converted(params)
+    unproductive = unproductive_rules(str(grammar))
+    if unproductive:
+        if params.kind() == "json":
+            raise _infinite_schema(params.spec())
+        raise _infinite_grammar(params.kind(), unproductive[0])
+    return grammar, unproductive is not None
+
+
+def _infinite_grammar(kind: str, rule: str) -> InfiniteGrammarError:
+    return InfiniteGrammarError(
+        f"this {kind.replace('_', ' ')} admits no output that ends: rule {rule!r} derives no "
+        "finite text (each of its alternatives needs itself or another such rule)")
+
+
+class InfiniteSchemaError(UnsupportedSchemaError, NoFiniteOutput):
+    pass
+
+
+def _infinite_schema(schema: Any) -> InfiniteSchemaError:
+    keyword = "$ref" if any("$ref" in n.schema for n in iter_nodes(schema)) else "required"
+    return InfiniteSchemaError([SchemaIssue(
+        keyword, locate_keyword(schema, keyword),
+        "no finite instance: a required property's schema refers back to an enclosing one, "
+        "so every instance nests without end")], "xgrammar")
+
+
+def check_finite_grammar(ebnf: str) -> None:
+    """InfiniteGrammarError where a rule of the GBNF grammar `ebnf` derives no finite
+    text; no verdict where xgrammar does not read it (Lark: llguidance's dialect)."""
+    try:
+        grammar, _ = call_capturing_warnings(lambda: xgr.Grammar.from_ebnf(ebnf))
+    except (RuntimeError, ValueError, TypeError):
+        return
+    if unproductive := unproductive_rules(str(grammar)):
+        raise _infinite_grammar("grammar", unproductive[0])
+
+
+def check_finite_json(schema: Any) -> None:
+    """InfiniteSchemaError where `schema` has no finite instance, for every backend
+    (checked on xgrammar's conversion of it; recursive schemas only, see
+    `recursive_refs`). No verdict where xgrammar cannot convert the schema."""
+    if not isinstance(schema, dict) or not recursive_refs(schema):
+        return
+    try:
+        grammar, _ = call_capturing_warnings(
+            lambda: xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True))
+    except (RuntimeError, ValueError, TypeError):
+        return
+    if unproductive_rules(str(grammar)):
+        raise _infinite_schema(schema)
+
+
+def _converted(params: StructuredOutputsParams) -> xgr.Grammar:
     kind, spec = params.kind(), params.spec()
     if params.whitespace_pattern is not None:
         raise ValueError("structured_outputs.whitespace_pattern is served by backends "
@@ -118,10 +183,11 @@ class XGrammarMatcher(Matcher):
     (utf8_guard), no surrogate escapes in JSON (escape_guard)."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int,
-                 guards: tuple[ByteGuard, ...]):
+                 guards: tuple[ByteGuard, ...], jump_forward: bool = True):
         self.native = xgr.GrammarMatcher(compiled)
         self._eos = eos_token_id
         self._guards = guards
+        self._jump_forward = jump_forward
         self._states = [(0,) * len(guards)]    # each guard's state after each accepted token
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
@@ -165,8 +231,8 @@ class XGrammarMatcher(Matcher):
         self._states = [(0,) * len(self._guards)]
 
     def jump_forward_string(self) -> str:
-        if self.native.is_terminated():
-            return ""
+        if not self._jump_forward or self.native.is_terminated():
+            return ""          # not proved to end (xgrammar_productive.py): never called
         return self.native.find_jump_forward_string()
 
 
@@ -174,13 +240,15 @@ class XGrammarCompiled(CompiledGrammar):
     backend_name = "xgrammar"
 
     def __init__(self, compiled: xgr.CompiledGrammar, eos_token_id: int,
-                 guards: tuple[ByteGuard, ...]):
+                 guards: tuple[ByteGuard, ...], jump_forward: bool = True):
         self.native = compiled
         self._eos = eos_token_id
         self._guards = guards
+        self._jump_forward = jump_forward
 
     def new_matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self.native, self._eos, self._guards)
+        return XGrammarMatcher(self.native, self._eos, self._guards,
+                               jump_forward=self._jump_forward)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -210,11 +278,12 @@ class XGrammarBackend(GrammarBackend):
         to_xgrammar(params)
 
     def compile(self, params: StructuredOutputsParams) -> XGrammarCompiled:
-        grammar = to_xgrammar(params)
+        grammar, jump_forward = _checked(params)
         guards: tuple[ByteGuard, ...] = (self._utf8_guard,)
         if params.kind() in _JSON_KINDS:
             guards += (self._escape_guard,)
-        return XGrammarCompiled(self._compiler.compile_grammar(grammar), self._eos, guards)
+        return XGrammarCompiled(self._compiler.compile_grammar(grammar), self._eos, guards,
+                                jump_forward=jump_forward)
 
     def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
                       rows: Sequence[int]) -> None:
