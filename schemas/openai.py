@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import Field, model_serializer, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 from formwork.schemas.errors import ParamError
 from formwork.schemas.openai_base import RequestModel, ResponseModel, random_id
@@ -74,12 +75,30 @@ class ToolCall(ResponseModel):
 class ChatMessage(RequestModel):
     """`role: "function"` and an assistant's `function_call` are OpenAI's legacy
     spellings of a tool result and a tool call (rendered as those)."""
+    # the published schema says what the validator below enforces
+    model_config = RequestModel.model_config | {"json_schema_extra": {
+        "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+        "then": {"required": ["content"],
+                 "properties": {"content": {"anyOf": [{"type": "string"}, {"type": "array"}]}}}}}
+
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     function_call: FunctionCall | None = None
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_required(cls, value, info: ValidationInfo):
+        """As OpenAI and vLLM: only an assistant message may leave `content` out
+        (its tool calls say what it did); a user message without one was rendered as
+        an empty turn."""
+        role = info.data.get("role")
+        if value is None and role is not None and role != "assistant":
+            raise PydanticCustomError("missing", "Field required for a {role} message",
+                                      {"role": role})
+        return value
 
 
 # vLLM request fields formwork does not serve: a request that sets one (to anything

@@ -97,6 +97,8 @@ def test_chat_continue_final_message_and_own_template(llm):
     ([{"role": "user", "content": "hi"}], {"tools": [{"type": "function"}]},
      r"^tools\[0\]\.function: Field required"),
     ([[]], {}, "^messages: a conversation needs at least one message"),
+    ([{"role": "user", "content": "hi"}, {"role": "user"}], {},
+     r"^messages\[1\]\.content: Field required for a user message"),
 ])
 def test_chat_errors_name_the_field(llm, convs, kw, match):
     with pytest.raises(ValueError, match=match):

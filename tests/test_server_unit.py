@@ -251,6 +251,11 @@ def error_client():
     (b"{not json", 400, None, "could not parse the JSON"),
     ({"model": "m"}, 400, "messages", "Field required"),
     ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", ""),
+    # as OpenAI and vLLM: only an assistant message may leave its content out
+    ({"model": "m", "messages": [{"role": "user"}]}, 400, "messages[0].content",
+     "Field required for a user message"),
+    ({"model": "m", "messages": MSGS + [{"role": "tool", "tool_call_id": "c1", "content": None}]},
+     400, "messages[1].content", "Field required for a tool message"),
     ({"model": "m", "messages": MSGS, "temperature": "hot"}, 400, "temperature", ""),
     ({"model": "m", "messages": MSGS, "top_p": 5}, 400, "top_p", "must be in (0, 1]"),
     ({"model": "missing", "messages": MSGS}, 404, "model", "no such model"),
@@ -266,6 +271,11 @@ def test_error_json_shape(error_client, body, status, param, text):
     assert err["type"] == "invalid_request_error"
     ok = error_client.post("/v1/chat/completions", json={"model": "m", "messages": MSGS, "x": 1})
     assert ok.status_code == 200
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ok = error_client.post("/v1/chat/completions", json={"model": "m", "messages": MSGS + [
+        {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1",
+                                                       "content": ""}]})
+    assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("path,extra,param,text", [
