@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -13,10 +15,16 @@ from collections.abc import Iterator
 
 def die_with_parent() -> None:
     """Ask the kernel to SIGTERM this process when the thread that spawned it
-    exits (Linux PR_SET_PDEATHSIG; a no-op elsewhere)."""
+    exits (Linux PR_SET_PDEATHSIG; a no-op elsewhere). A parent that died before
+    this call (a spawned child imports for a second or more first) sends nothing:
+    then this process exits at once (one such constraint-checking worker was found
+    alive an hour after the server that started it)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:
+            os._exit(1)
 
 
 @contextlib.contextmanager
