@@ -36,7 +36,6 @@ from formwork.schemas.structured import StructuredOutputsParams
 
 def _llguidance(params: StructuredOutputsParams) -> Any:
     from formwork.grammar.llguidance_grammar import to_llguidance  # lazily: see above
-    _finite(params)
     return to_llguidance(params)
 
 
@@ -128,6 +127,7 @@ def _choose(params: StructuredOutputsParams, default_backend: str, *,
     accepts (tried llguidance first when asked: the verdict is the same), else the
     error of AUTO_ORDER's first backend."""
     name = _requested(params, default_backend)
+    _finite(params)                         # true for every backend
     if name != "auto":
         CHECKS[name](params)
         return name
@@ -140,7 +140,7 @@ def _choose(params: StructuredOutputsParams, default_backend: str, *,
             return candidate
         except ValueError as err:
             if isinstance(err, NoFiniteOutput):
-                raise                       # true for every backend
+                raise                       # true for every backend (xgrammar's own read)
             errors[candidate] = err
     raise errors[order[0]]
 
