@@ -168,30 +168,26 @@ def _describe_member(tag: str) -> str:
 def _union_error(errors: list[dict], prefix: str = "") -> tuple[str, str, int] | None:
     """(param, message, errors it covers) where the first error is a union's: the
     branch that got furthest into the value, else what the union takes."""
-    loc = tuple(p for p in errors[0].get("loc", ()) if p != "body")
-    at = next((i for i, p in enumerate(loc) if _is_union_tag(p)), None)
+    locs = [tuple(p for p in e.get("loc", ()) if p != "body") for e in errors]
+    at = next((i for i, p in enumerate(locs[0]) if _is_union_tag(p)), None)
     if at is None:
         return None
-    field = loc[:at]
-    group = [e for e in errors
-             if (el := tuple(p for p in e.get("loc", ()) if p != "body"))[:at] == field
-             and len(el) > at and _is_union_tag(el[at])]
+    field = locs[0][:at]
+    group = [(e, loc) for e, loc in zip(errors, locs)
+             if loc[:at] == field and len(loc) > at and _is_union_tag(loc[at])]
     param = _loc_to_param(field, prefix) or "body"
-    depths = sorted(((len(e["loc"]) - e["loc"].index(
-        next(p for p in e["loc"][len(field):] if _is_union_tag(p))) - 1, i)
-        for i, e in enumerate(group)), reverse=True)
+    depths = sorted(((len(loc) - at - 1, i) for i, (_, loc) in enumerate(group)), reverse=True)
     if depths[0][0] >= 1 and (len(depths) == 1 or depths[1][0] < depths[0][0]):
-        best = group[depths[0][1]]        # the branch the value's shape matched
-        where = _loc_to_param(tuple(p for p in best["loc"] if p != "body"), prefix) or param
+        best, loc = group[depths[0][1]]   # the branch the value's shape matched
+        where = _loc_to_param(loc, prefix) or param
         return where, f"{where}: {best.get('msg', 'invalid value')}", len(group)
     members: list[str] = []
-    for e in group:
-        tag = next(p for p in e["loc"][len(field):] if _is_union_tag(p))
-        if (d := _describe_member(tag)) not in members:
+    for _, loc in group:
+        if (d := _describe_member(loc[at])) not in members:
             members.append(d)
     takes = members[0] if len(members) == 1 else \
         ", ".join(members[:-1]) + " or " + members[-1]
-    return param, f"{param}: must be {takes}, got {_json_type(group[0].get('input'))}", \
+    return param, f"{param}: must be {takes}, got {_json_type(group[0][0].get('input'))}", \
         len(group)
 
 
