@@ -47,7 +47,7 @@ from formwork.grammar.schema_normalize import map_subschemas, normalize
 from formwork.grammar.schema_oneof import inferred_types, pairwise_disjoint
 from formwork.grammar.schema_pattern_names import pattern_name_issues, portable_pattern_names
 from formwork.grammar import unique_items
-from formwork.grammar.schema_rules import duplicate_name_issues, enum_issues
+from formwork.grammar.schema_rules import duplicate_name_issues
 from formwork.grammar.schema_closing import close_declared_objects, drop_legacy_ref_siblings
 from formwork.grammar.schema_walk import iter_nodes, map_ref_targets, validator_class
 from formwork.grammar.structural_tag import AnswerOrCalls, answer_or_calls, triggered_tags
@@ -128,10 +128,16 @@ def _unsatisfiable_values(schema: Any) -> tuple[str, str, str] | None:
         return None
     validator = validator_class(schema)(schema)
     for sn in iter_nodes(schema):
-        for keyword, _ in enum_issues(sn.schema, validator):
-            why = "an empty enum admits no value" if sn.schema.get("enum") == [] else \
-                f"a value of '{keyword}' fails the keywords beside it"
-            return keyword, sn.path, why
+        node = sn.schema
+        if node.get("enum") == []:
+            return "enum", sn.path, "an empty enum admits no value"
+        if "const" not in node and "enum" not in node:
+            continue
+        values = ([node["const"]] if "const" in node else []) + list(node.get("enum") or [])
+        sub = validator.evolve(schema=node)
+        if not any(sub.is_valid(v) for v in values):
+            keyword = "const" if "const" in node else "enum"
+            return keyword, sn.path, f"no value of '{keyword}' passes the keywords beside it"
     return None
 
 

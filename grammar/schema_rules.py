@@ -105,7 +105,7 @@ def common_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
             out.append((kw, f"keywords next to {kw} are ignored: {sib}"))
     if "oneOf" in node and not pairwise_disjoint(node["oneOf"], root, validator):
         out.append(("oneOf", "branches are not provably disjoint (would be treated as anyOf)"))
-    out += enum_issues(node, validator)
+    out += _enum_issues(node, validator)
     out += _required_issues(node)
     if _types(node) is None:
         bare = [k for k in NUMERIC + STRING + ARRAY + OBJECT if k in node]
@@ -151,7 +151,7 @@ def ref_issues(node: dict, root: Any) -> Issues:
     return []
 
 
-def enum_issues(node: dict, validator: Any) -> Issues:
+def _enum_issues(node: dict, validator: Any) -> Issues:
     """enum/const win over every sibling: fine only if each value satisfies them.
     Beside each other the backends keep one of the two (xgrammar `const`,
     outlines-core `enum`): each value of either must then pass the other."""
