@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from formwork.grammar.xgrammar_productive import NoFiniteOutput
+from formwork.grammar.xgrammar_productive import NoFiniteOutput, recursive_refs
 from formwork.schemas.structured import StructuredOutputsParams
 
 # Each backend's check is its own converter (whether it accepts a constraint is
@@ -45,7 +45,6 @@ def _finite(params: StructuredOutputsParams) -> None:
     returned): a schema with no finite instance (recursive schemas only, alone or
     in a structural tag), a GBNF grammar with a rule that derives no finite text.
     Read on xgrammar's conversion, so xgrammar loads only for those."""
-    from formwork.grammar.xgrammar_productive import recursive_refs
     kind, spec = params.kind(), params.spec()
     if kind == "grammar":
         from formwork.grammar.xgrammar_backend import check_finite_grammar  # lazily: see above

@@ -244,7 +244,6 @@ def recursive_refs(schema) -> bool:
         return at == target or at.startswith(target + "/") or target == ""
 
     edges = {t: {t2 for at, t2 in refs if inside(at, t)} for _, t in refs}
-    seen: set[str] = set()
     for start in edges:                       # a target reaching itself
         stack, seen = list(edges[start]), set()
         while stack:
