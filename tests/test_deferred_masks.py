@@ -355,8 +355,15 @@ def test_engine_tokens_are_the_same_deferred_or_not(tiny_model_dir, tokenizer):
     on_ids, on_outs, on_stats = _run(tiny_model_dir, True, reqs)
     off_ids, off_outs, off_stats = _run(tiny_model_dir, False, reqs)
     again_ids, _, _ = _run(tiny_model_dir, True, reqs)
-    eager_equal = (0, 3, 4, 6, 7)               # greedy, top-p (never deferred), free
-    assert [on_ids[i] for i in eager_equal] == [off_ids[i] for i in eager_equal]
+    # greedy, top-p (never deferred) and free requests are compared in a batch of their
+    # own: in the mixed batch the redrawn requests end on other steps deferred or not,
+    # so the batch's size differs, a row's logits move by float noise, and the random
+    # model's near-flat distribution turns that into other draws (seen on another CPU)
+    eager_equal = [reqs[i] for i in (0, 3, 4, 6, 7)]
+    alone_on, _, alone_stats = _run(tiny_model_dir, True, eager_equal)
+    alone_off, _, _ = _run(tiny_model_dir, False, eager_equal)
+    assert alone_on == alone_off
+    assert alone_stats.deferred_refused > 0     # (the greedy ones were refused and re-picked)
     assert again_ids == on_ids                  # seeded redraws are reproducible
     assert on_ids != off_ids                    # (the sampled ones did take the redraw path)
     for out in (on_outs[2], off_outs[2]):
