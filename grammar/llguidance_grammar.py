@@ -65,6 +65,7 @@ LOWEST_BOUND = -(2**63) + 1024
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
 _FORMAT = re.compile(r"Unknown format: (\S+)")
 _MISSING_REF = re.compile(r"Pointer '([^']*)' does not exist")
+_REMOTE_REF = re.compile(r"Resource '([^']*)' is not present in a registry")
 _UNSERIALIZABLE = re.compile(r"not JSON serializable: (-?\d+)$")
 
 
@@ -93,6 +94,12 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
         return UnsupportedSchemaError([SchemaIssue(
             "$ref", path, f"cannot resolve {ref!r}: nothing at that JSON pointer from the "
                           "schema's root")], "llguidance")
+    if m := _REMOTE_REF.search(message):
+        return UnsupportedSchemaError([_remote_ref_issue(schema, m.group(1))], "llguidance")
+    if message.strip().startswith("schema too large"):
+        return UnsupportedSchemaError([SchemaIssue(
+            "", "$", "too large for llguidance's JSON compiler: over its budget of schema "
+                     "nodes, ~16,700 properties of one object")], "llguidance")
     if m := _UNIMPLEMENTED.search(message):
         keywords = json.loads(f"[{m.group(1)}]") or ["?"]
     elif m := _FORMAT.search(message):
@@ -117,6 +124,20 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
     issues = [SchemaIssue(kw, locate_keyword(schema, kw), f"llguidance: {message.splitlines()[0]}")
               for kw in keywords]
     return UnsupportedSchemaError(issues, "llguidance")
+
+
+def _remote_ref_issue(schema: Any, resource: str) -> SchemaIssue:
+    """The `$ref` naming a document outside the schema (llguidance's message gives
+    the resolved address, e.g. json-schema:///other.json for `other.json#/x`)."""
+    remote = [sn for sn in iter_nodes(schema)
+              if isinstance(sn.schema.get("$ref"), str) and not sn.schema["$ref"].startswith("#")]
+    named = [sn for sn in remote if (doc := sn.schema["$ref"].split("#")[0]) and resource.endswith(doc)]
+    sn = (named or remote or [None])[0]
+    ref = sn.schema["$ref"] if sn else resource
+    return SchemaIssue("$ref", sn.path if sn else "$",
+                       f"cannot resolve {ref!r}: remote references are not fetched; only refs "
+                       "within the schema are supported ('#', a JSON pointer such as "
+                       "'#/$defs/Name', or an $id the schema itself declares)")
 
 
 def _unsatisfiable_values(schema: Any) -> tuple[str, str, str] | None:

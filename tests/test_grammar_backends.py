@@ -338,3 +338,27 @@ def test_choose_backend_refuses_naming_the_problem_and_compiles_nothing():
     with pytest.raises(ValueError, match="grammar"):
         choose_backend(P(grammar="root ::= undefined_rule"))
     assert choose_backend(P(json=PERSON)) == "llguidance"
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar", "outlines", "auto"])
+@pytest.mark.parametrize("ref", ["other.json#/definitions/x", "https://example.com/s.json"])
+def test_a_remote_ref_is_named_on_every_backend(backend, ref):
+    """A `$ref` to another document is refused as that `$ref` at its path on every
+    backend (llguidance's own message named the first regex-making keyword of the
+    schema, e.g. 'const' on drone-ci's schema from SchemaStore)."""
+    schema = {"type": "object", "properties": {"kind": {"const": "pipeline"}, "meta": {"$ref": ref}},
+              "required": ["meta"]}
+    with pytest.raises(ValueError, match=re.escape(f"'$ref' at $.properties.meta (cannot resolve {ref!r}")):
+        choose_backend(P(json=schema, backend=backend))
+    anchored = {"$id": "https://example.com/root.json", "type": "object",
+                "properties": {"m": {"$ref": "https://example.com/root.json#/$defs/a"}},
+                "$defs": {"a": {"type": "integer"}}}
+    if backend in ("llguidance", "auto"):          # its own $id: resolved, not remote
+        assert choose_backend(P(json=anchored, backend=backend)) == "llguidance"
+
+
+def test_a_schema_over_llguidances_size_budget_is_named_so_and_served_by_xgrammar():
+    big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(20_000)}}
+    with pytest.raises(ValueError, match=r"^unsupported JSON Schema at \$ \(too large for llguidance"):
+        choose_backend(P(json=big, backend="llguidance"))
+    assert choose_backend(P(json=big)) == "xgrammar"
