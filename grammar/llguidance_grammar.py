@@ -49,7 +49,7 @@ from formwork.grammar.schema_pattern_names import pattern_name_issues, portable_
 from formwork.grammar import unique_items
 from formwork.grammar.schema_rules import duplicate_name_issues
 from formwork.grammar.schema_closing import close_declared_objects, drop_legacy_ref_siblings
-from formwork.grammar.schema_walk import iter_nodes, map_ref_targets, validator_class
+from formwork.grammar.schema_walk import child_path, iter_nodes, map_ref_targets, validator_class
 from formwork.grammar.structural_tag import AnswerOrCalls, answer_or_calls, triggered_tags
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -65,6 +65,9 @@ LOWEST_BOUND = -(2**63) + 1024
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
 _FORMAT = re.compile(r"Unknown format: (\S+)")
 _MISSING_REF = re.compile(r"Pointer '([^']*)' does not exist")
+# serde_json's recursion limit (128) as it meets a schema inside llguidance's grammar
+# wrapper: measured, a schema 124 objects deep is read and one 125 deep is not
+_READER_DEPTH = 125
 _REMOTE_REF = re.compile(r"Resource '([^']*)' is not present in a registry")
 _UNSERIALIZABLE = re.compile(r"not JSON serializable: (-?\d+)$")
 
@@ -100,8 +103,17 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
         return UnsupportedSchemaError([SchemaIssue(
             "", "$", "too large for llguidance's JSON compiler: over its budget of schema "
                      "nodes, ~16,700 properties of one object")], "llguidance")
+    if "recursion limit exceeded" in message:          # serde_json's, reading the schema
+        return UnsupportedSchemaError([SchemaIssue(
+            "", _path_at_depth(schema, _READER_DEPTH),
+            f"nested deeper than llguidance's JSON reader takes ({_READER_DEPTH - 1} levels "
+            "of objects and arrays)")], "llguidance")
     if m := _UNIMPLEMENTED.search(message):
         keywords = json.loads(f"[{m.group(1)}]") or ["?"]
+    elif "patternProperty regexes" in message:           # "... /a/ and /b/ are not disjoint"
+        keywords = ["patternProperties"]
+    elif "incompatible types" in message and any("allOf" in sn.schema for sn in iter_nodes(schema)):
+        keywords = ["allOf"]
     elif m := _FORMAT.search(message):
         keywords = ["format"]
     elif "regex parse error" in message and (culprit := _regex_culprit(schema)):
@@ -124,6 +136,20 @@ def _schema_error(schema: Any, message: str) -> UnsupportedSchemaError:
     issues = [SchemaIssue(kw, locate_keyword(schema, kw), f"llguidance: {message.splitlines()[0]}")
               for kw in keywords]
     return UnsupportedSchemaError(issues, "llguidance")
+
+
+def _path_at_depth(document: Any, depth: int) -> str:
+    """JSON path of the first object or array nested `depth` deep (the root is 1)."""
+    stack = [(document, "$", 1)]
+    while stack:
+        node, path, level = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        if level >= depth:
+            return path
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        stack += reversed([(v, child_path(path, k), level + 1) for k, v in items])
+    return "$"
 
 
 def _remote_ref_issue(schema: Any, resource: str) -> SchemaIssue:

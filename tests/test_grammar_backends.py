@@ -357,6 +357,27 @@ def test_a_remote_ref_is_named_on_every_backend(backend, ref):
         assert choose_backend(P(json=anchored, backend=backend)) == "llguidance"
 
 
+@pytest.mark.parametrize("schema, keyword, path", [
+    ({"type": "object", "patternProperties": {"^a": {"type": "string"}, "b$": {"type": "integer"}}},
+     "patternProperties", "$"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf", "$"),
+])
+def test_llguidances_other_refusals_name_their_keyword(schema, keyword, path):
+    """Messages that named no keyword were pinned on the root `type` (overlapping
+    patternProperties) or on a branch's `type` (an allOf no value meets)."""
+    with pytest.raises(ValueError, match=re.escape(f"keyword '{keyword}' at {path} (llguidance")):
+        choose_backend(P(json=schema, backend="llguidance"))
+
+
+def test_a_schema_too_deep_for_llguidance_names_the_depth_and_is_served_by_xgrammar():
+    deep = json.loads('{"type": "array", "items": ' * 130 + "{}" + "}" * 130)
+    with pytest.raises(ValueError, match=r"^unsupported JSON Schema at \$(\.items){124} \(nested deeper"):
+        choose_backend(P(json=deep, backend="llguidance"))
+    assert choose_backend(P(json=deep)) == "xgrammar"
+    ok = json.loads('{"type": "array", "items": ' * 123 + "{}" + "}" * 123)     # 124 deep
+    assert choose_backend(P(json=ok, backend="llguidance")) == "llguidance"
+
+
 def test_a_schema_over_llguidances_size_budget_is_named_so_and_served_by_xgrammar():
     big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(20_000)}}
     with pytest.raises(ValueError, match=r"^unsupported JSON Schema at \$ \(too large for llguidance"):
