@@ -13,6 +13,7 @@ import json
 import re
 
 _DEFS_KEYWORDS = ("$defs", "definitions")
+_ID_KEYWORDS = ("$id", "id")
 _ONE_SCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames",
                "not", "if", "then", "else", "unevaluatedItems", "unevaluatedProperties",
                "contentSchema")
@@ -55,8 +56,16 @@ def embed_schema(schema, at: str, prefix: str, hoisted: dict[str, dict]):
     if not isinstance(schema, dict) or '"$ref"' not in json.dumps(schema):
         return schema
     moved = {kw: schema[kw] for kw in _DEFS_KEYWORDS if isinstance(schema.get(kw), dict)}
+    # The root's own address ($id; `id` before draft-06) goes: left in place it would
+    # make the embedded root a document of its own, against which every "#/..." ref
+    # inside resolves (SchemaStore's schemas carry one); refs spelled with it are local.
+    ids = [kw for kw in _ID_KEYWORDS if isinstance(schema.get(kw), str)
+           and (kw == "$id" or re.search(r"draft-0[34]/", str(schema.get("$schema"))))]
+    own = {schema[kw].split("#")[0] for kw in ids} - {""}
 
     def rewrite(ref: str) -> str:
+        if own and ref.split("#")[0] in own:
+            ref = "#" + ref.partition("#")[2]
         if ref != "#" and not ref.startswith("#/"):
             return ref                    # not local: refused by the schema check as before
         for kw in moved:
@@ -65,7 +74,7 @@ def embed_schema(schema, at: str, prefix: str, hoisted: dict[str, dict]):
                 return f"{head}{prefix}{ref[len(head):]}"
         return "#" + at + ref[1:]
 
-    out = _map_refs({k: v for k, v in schema.items() if k not in moved}, rewrite)
+    out = _map_refs({k: v for k, v in schema.items() if k not in moved and k not in ids}, rewrite)
     for kw, defs in moved.items():
         target = hoisted.setdefault(kw, {})
         for name, definition in defs.items():

@@ -98,6 +98,33 @@ def test_required_tools_with_defs_resolve(parallel):
     assert tools == before                    # the request's schemas are not mutated
 
 
+STORE_ID = "https://json.schemastore.org/cloudbuild"
+WITH_ID = {"type": "function", "function": {"name": "build", "parameters": {
+    "$schema": "http://json-schema.org/draft-07/schema#", "$id": STORE_ID, "type": "object",
+    "definitions": {"Step": {"type": "object", "properties": {"name": {"type": "string"}},
+                             "required": ["name"], "additionalProperties": False}},
+    "properties": {"steps": {"type": "array", "items": {"$ref": "#/definitions/Step"}},
+                   "first": {"$ref": f"{STORE_ID}#/definitions/Step"}},
+    "required": ["steps"]}}}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_with_an_id_resolves_its_refs(parallel):
+    """A parameters schema with its own `$id` (every SchemaStore schema has one): left
+    inside the wrapper, it made `#/definitions/...` resolve against the embedded
+    root, which no longer holds them (400 'nothing at that JSON pointer')."""
+    so, source = constraint(tools=[WITH_ID, FORECAST], tool_choice="required", parallel_tool_calls=parallel)
+    validate_constraint(so, source)
+    assert "$id" not in json.dumps(so.json)
+    ok = {"name": "build", "arguments": {"steps": [{"name": "go"}], "first": {"name": "a"}}}
+    jsonschema.validate([ok] if parallel else ok, so.json)
+    for bad in ({"steps": [{"name": 1}]}, {"steps": [], "first": {"nom": "a"}}):
+        call = {"name": "build", "arguments": bad}
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([call] if parallel else call, so.json)
+    assert WITH_ID["function"]["parameters"]["$id"] == STORE_ID       # not mutated
+
+
 def test_required_tools_with_defs_compile_and_accept_a_call():
     from formwork.gpu.model_files import load_model_tokenizer
     from formwork.grammar.vocab import TokenVocab
