@@ -11,6 +11,7 @@ from formwork.schemas.structured import StructuredOutputsParams
 _GREEDY_EPS = 1e-5
 MAX_N = 128                  # completions per request: fan-out stays bounded (OpenAI: 128)
 MAX_SEED = 2**63 - 1         # seeds travel as int64; seed + i for the i-th of n
+MIN_SEED = -(2**63)          # negative seeds too, as vLLM takes them (any int64)
 MAX_TOKEN_ID = 2**31         # any id past it is no vocabulary's (the engine checks its own)
 MAX_PRIORITY = 2**31         # |priority| at most this: it travels as an int64
 MAX_LOGIT_BIAS = 100.0       # OpenAI: biases in [-100, 100]; -100 bans the token
@@ -159,8 +160,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 bad(name, f"must be a finite number, got {getattr(self, name)}")
         if not 1 <= self.n <= MAX_N:
             bad("n", f"must be in [1, {MAX_N}], got {self.n}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED - self.n:
-            bad("seed", f"must be in [0, 2^63 - n], got {self.seed}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED - self.n:
+            bad("seed", f"must be in [-2^63, 2^63 - n], got {self.seed}")
         if self.cache_salt is not None and not self.cache_salt:
             bad("cache_salt", "must be a non-empty string (leave it out for no salt)")
         if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:

@@ -14,7 +14,7 @@ from formwork.schemas.sampling import MAX_N, check_token_ids
 @pytest.mark.parametrize("field,value,words", [
     ("temperature", math.nan, "finite"), ("top_p", math.inf, "finite"),
     ("repetition_penalty", -math.inf, "finite"), ("presence_penalty", math.nan, "finite"),
-    ("n", MAX_N + 1, "128"), ("n", 0, "128"), ("seed", 2**63, "2^63"), ("seed", -1, "2^63"),
+    ("n", MAX_N + 1, "128"), ("n", 0, "128"), ("seed", 2**63, "2^63"), ("seed", -(2**63) - 1, "2^63"),
     ("stop_token_ids", [2**70], "token ids"), ("stop_token_ids", [-1], "token ids"),
 ])
 def test_out_of_range_values_are_refused_naming_the_field(field, value, words):
@@ -26,6 +26,16 @@ def test_seed_plus_n_stays_an_int64():
     SamplingParams(seed=2**63 - 1 - 4, n=4)
     with pytest.raises(ValueError, match="^seed: "):
         SamplingParams(seed=2**63 - 2, n=4)
+
+
+def test_negative_seeds_are_int64_seeds_too(tiny_llm):
+    """vLLM takes any int64 seed (a client's seed=-5 was a 400): a negative seed
+    reproduces its draws and draws apart from its positive twin."""
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    run = lambda seed: tiny_llm.generate(prompt, SamplingParams(  # noqa: E731
+        temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert run(-5) == run(-5) != run(5)
+    assert run(-(2**63)) == run(-(2**63))
 
 
 def test_token_ids_against_the_vocabulary():
