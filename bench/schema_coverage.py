@@ -194,7 +194,7 @@ class Runner:
             res.backend = choose_backend(params)
             compiled = self._backend(res.backend).compile(params)
         except UnsupportedSchemaError as err:
-            res.reason, res.message = err.issues[0].keyword or "size", str(err)
+            res.reason, res.message = err.issues[0].keyword or "schema", str(err)
             return res
         except ValueError as err:
             res.message = str(err)

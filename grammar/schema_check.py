@@ -53,7 +53,7 @@ class SchemaIssue:
     detail: str = ""
 
     def message(self) -> str:
-        if not self.keyword:                     # the schema as a whole (its size)
+        if not self.keyword:                     # the schema as a whole (size, depth)
             return f"unsupported JSON Schema at {self.path} ({self.detail})"
         text = f"unsupported JSON Schema keyword '{self.keyword}' at {self.path}"
         return f"{text} ({self.detail})" if self.detail else text
