@@ -18,6 +18,16 @@ structural tags    |
 
 Verdict.valid: True, False (`error` says why, naming a stop-string or max_tokens
 cut), or None (unchecked). Validators are compiled once per schema text (LRU).
+
+Patterns come from the client and the check runs on the event loop, so no regex is
+matched with Python's `re`, which backtracks without bound (`(a|aa)+b` over 40 a's
+held the loop for 18 s: every other request froze). Regex constraints and JSON
+Schema `pattern` / `patternProperties` (and `additionalProperties` beside them)
+match with the `regex` package (mrab's; its VERSION0 is `re`'s dialect), which
+takes a timeout: a match past REGEX_TIMEOUT_S leaves the choice unchecked, and the
+pattern is remembered so that the next check of it costs nothing. `re` still
+decides which patterns are checkable at all (one it cannot compile: unchecked, as
+before).
 """
 from __future__ import annotations
 
@@ -28,6 +38,8 @@ from functools import lru_cache
 from typing import Any
 
 import jsonschema
+import regex
+from jsonschema.exceptions import ValidationError
 
 from formwork.gateway.tool_parser import parse_tool_output
 from formwork.gateway.tools import ToolMode, parameters_schema, tag_answer
@@ -37,6 +49,13 @@ from formwork.schemas.structured import StructuredOutputsParams
 
 _VALIDATOR_CACHE_SIZE = 256
 _MAX_ERROR_CHARS = 300
+REGEX_TIMEOUT_S = 0.1          # one match; measured, a 60-property schema's check is ~1 ms
+_SLOW_PATTERNS_KEPT = 1024
+_slow_patterns: dict[str, None] = {}      # patterns that ran past the timeout (insertion order)
+
+
+class _Unchecked(Exception):
+    """A pattern the check cannot match in bounded time (or at all)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +85,80 @@ def drop_unset(choices: list[dict]) -> list[dict]:
 def _validator(schema_text: str):
     schema = json.loads(schema_text)
     cls = validator_class(schema)
-    return cls(schema, format_checker=_format_checker(cls))
+    return _bounded(cls)(schema, format_checker=_format_checker(cls))
+
+
+@lru_cache(maxsize=_VALIDATOR_CACHE_SIZE)
+def _bounded_regex(pattern: str) -> regex.Pattern | None:
+    if _regex(pattern) is None:          # `re` cannot: unchecked, as before
+        return None
+    try:
+        return regex.compile(pattern, flags=regex.VERSION0)
+    except (regex.error, OverflowError, RecursionError):
+        return None
+
+
+def _matches(pattern: str, text: str, full: bool = False) -> bool:
+    """re.search (or fullmatch) semantics, bounded by REGEX_TIMEOUT_S; _Unchecked
+    where that runs out (now or on an earlier check) or the pattern does not compile."""
+    if pattern in _slow_patterns:
+        raise _Unchecked(f"matching {_short(pattern)!r} took longer than {REGEX_TIMEOUT_S} s "
+                         "(backtracking) on an earlier check")
+    compiled = _bounded_regex(pattern)
+    if compiled is None:
+        raise _Unchecked(f"the regex {_short(pattern)!r} does not compile here")
+    try:
+        match = (compiled.fullmatch if full else compiled.search)(text, timeout=REGEX_TIMEOUT_S)
+    except TimeoutError:
+        _slow_patterns[pattern] = None
+        while len(_slow_patterns) > _SLOW_PATTERNS_KEPT:
+            del _slow_patterns[next(iter(_slow_patterns))]
+        raise _Unchecked(f"matching {_short(pattern)!r} took longer than {REGEX_TIMEOUT_S} s "
+                         "(backtracking)") from None
+    return match is not None
+
+
+def _pattern(validator, pattern, instance, schema):
+    if validator.is_type(instance, "string") and not _matches(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator, patterns, instance, schema):
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for name, value in instance.items():
+            if _matches(pattern, name):
+                yield from validator.descend(value, subschema, path=name, schema_path=pattern)
+
+
+@lru_cache(maxsize=8)
+def _bounded(cls) -> type:
+    """`cls` with the keywords that match regexes (jsonschema calls `re.search`)
+    matching them with _matches instead."""
+    unbounded_additional = cls.VALIDATORS.get("additionalProperties")
+
+    def additional_properties(validator, extra, instance, schema):
+        if "patternProperties" not in schema or not validator.is_type(instance, "object"):
+            if unbounded_additional is not None:     # no regex involved
+                yield from unbounded_additional(validator, extra, instance, schema)
+            return
+        declared = schema.get("properties", {})
+        extras = sorted(name for name in instance if name not in declared and not any(
+            _matches(p, name) for p in schema["patternProperties"]))
+        if validator.is_type(extra, "object"):
+            for name in extras:
+                yield from validator.descend(instance[name], extra, path=name)
+        elif not extra and extras:
+            patterns = ", ".join(repr(p) for p in sorted(schema["patternProperties"]))
+            verb = "does" if len(extras) == 1 else "do"
+            yield ValidationError(f"{', '.join(repr(e) for e in extras)} {verb} not match any of "
+                                  f"the regexes: {patterns}")
+
+    keywords = {"pattern": _pattern, "patternProperties": _pattern_properties,
+                "additionalProperties": additional_properties}
+    return jsonschema.validators.extend(
+        cls, {k: f for k, f in keywords.items() if k in cls.VALIDATORS})
 
 
 # An IRI that is also a URI is valid; the backends generate `iri` as `uri` (narrowed).
@@ -157,10 +249,9 @@ def _error(params: StructuredOutputsParams, mode: ToolMode | None,
     if kind == "choice":
         return True, None if text in spec else "not one of the choices"
     if kind == "regex":
-        pattern = _regex(spec)
-        if pattern is None:
+        if _regex(spec) is None:
             return False, None
-        return True, None if pattern.fullmatch(text) else "does not match the regex"
+        return True, None if _matches(spec, text, full=True) else "does not match the regex"
     if kind == "structural_tag" and mode is not None and mode.kind == "auto" and mode.tools:
         answer = tag_answer(spec)
         return True, _calls_error(mode, text, None if answer is True else answer)
@@ -176,6 +267,8 @@ def check_output(params: StructuredOutputsParams | None, mode: ToolMode | None, 
         return Verdict(False, "generation failed before the output was complete")
     try:
         checked, error = _error(params, mode, text)
+    except _Unchecked as e:
+        return Verdict(None, f"could not be checked: {e}")
     except Exception as e:      # e.g. a $ref jsonschema cannot resolve: never fail the reply
         return Verdict(None, _short(f"could not be checked: {type(e).__name__}: {e}"))
     if not checked:

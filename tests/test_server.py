@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from enum import Enum
@@ -1091,6 +1092,33 @@ def test_an_idle_keep_alive_connection_outlives_http_clients_pool_expiry(server)
         assert get_version().startswith(b"HTTP/1.1 200")
         time.sleep(7.0)                                  # past httpx's keepalive_expiry
         assert get_version().startswith(b"HTTP/1.1 200"), "the server closed an idle connection"
+
+
+def test_a_backtracking_regex_does_not_freeze_the_server(server, model, tokenizer):
+    """The output check runs on the event loop: a regex constraint `(a|aa)+b` whose
+    output max_tokens cuts inside the a's (b-tokens banned) held it for 18 s at 40
+    tokens with Python's re, and every other request waited. Now the check gives
+    up at its timeout and says so; /health answers throughout."""
+    ban = {str(i): -100 for t, i in tokenizer.get_vocab().items() if "b" in t}
+    done = {}
+
+    def evil():
+        done["r"] = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                               headers={"Authorization": f"Bearer {KEY}"}, json={
+            "model": model, "prompt": "aaaa", "max_tokens": 60, "temperature": 0,
+            "structured_outputs": {"regex": "(a|aa)+b"}, "logit_bias": ban})
+    thread = threading.Thread(target=evil)
+    thread.start()
+    slowest = 0.0
+    while thread.is_alive():
+        start = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.05)
+    choice = done["r"].json()["choices"][0]
+    assert choice["finish_reason"] == "length" and set(choice["text"]) == {"a"}
+    assert choice["formwork"]["valid"] is None and "backtracking" in choice["formwork"]["error"]
+    assert slowest < 3.0
 
 
 def test_zz_sigterm_leaves_no_orphan_engine(server):
