@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,17 @@ from formwork.schemas.structured import StructuredOutputsParams
 
 # Constraints whose output is JSON (a structural tag's free text too: escape_guard.py)
 _JSON_KINDS = ("json", "json_object", "structural_tag")
+# One request's mask (or forced-text search) may take this long, once: then its
+# matcher fails and the engine ends that request with the error. xgrammar's parser
+# keeps every way an ambiguous constraint can split the text so far, and for nested
+# repetitions that can match the same text that work grows step after step (measured,
+# `(([a-z]*)*)*`: twice the time each token; a 60-character regex in a random test:
+# 0.5 s at its 2nd token, 13 s at its 16th), stalling every request on the engine.
+# Measured fills are 0.05-1 ms for ordinary constraints, ~50 ms for a 20,000-way choice.
+# Where the work grows slowly ((a|b|ab)*)*c: ~60 ms a token, 25 s for 400) no single
+# step reaches that, so a request's matcher also has a budget for all its steps.
+FILL_LIMIT_S = 0.5
+BUDGET_BASE_S, BUDGET_PER_TOKEN_S = 2.0, 0.01
 
 _VOCAB_TYPES = {VocabKind.BYTE_LEVEL: xgr.VocabType.BYTE_LEVEL,
                 VocabKind.BYTE_FALLBACK: xgr.VocabType.BYTE_FALLBACK,
@@ -189,8 +201,25 @@ class XGrammarMatcher(Matcher):
         self._guards = guards
         self._jump_forward = jump_forward
         self._states = [(0,) * len(guards)]    # each guard's state after each accepted token
+        self.error = ""          # set when it ran past its time limits: refuses from then on
+        self._spent, self._tokens = 0.0, 0
+
+    def _timed(self, what: str, seconds: float) -> None:
+        self._spent += seconds
+        budget = BUDGET_BASE_S + BUDGET_PER_TOKEN_S * self._tokens
+        if self.error or (seconds <= FILL_LIMIT_S and self._spent <= budget):
+            return
+        took = (f"{seconds:.2f} s for one token's {what} (the limit is {FILL_LIMIT_S} s)"
+                if seconds > FILL_LIMIT_S else
+                f"{self._spent:.1f} s over {self._tokens} tokens (the budget is "
+                f"{BUDGET_BASE_S:g} s + {BUDGET_PER_TOKEN_S * 1000:g} ms a token)")
+        self.error = (f"xgrammar took {took}: the constraint is too ambiguous for it, e.g. "
+                      "nested repetitions that can match the same text such as (([a-z]*)*)*; "
+                      "backend 'llguidance' serves such regexes in linear time")
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        if self.error:
+            return False
         states = []
         state = self._states[-1]
         for tid in token_ids:
@@ -198,11 +227,14 @@ class XGrammarMatcher(Matcher):
             if INVALID in state:        # bytes xgrammar would take and a guard refuses
                 return False
             states.append(state)
+        start = time.perf_counter()
         for n, tid in enumerate(token_ids):
             if not self.native.accept_token(int(tid)):
                 if n:
                     self.native.rollback(n)
                 return False
+        self._tokens += len(token_ids)
+        self._timed("advance", time.perf_counter() - start)
         self._states += states
         return True
 
@@ -210,8 +242,13 @@ class XGrammarMatcher(Matcher):
         if self.native.is_terminated():
             set_only_tokens(bitmask, row, [self._eos])
         else:
-            self.native.fill_next_token_bitmask(bitmask, row)
+            self.timed_fill(bitmask, row)
             self.restrict(bitmask, row)
+
+    def timed_fill(self, bitmask: torch.Tensor, row: int) -> None:
+        start = time.perf_counter()
+        self.native.fill_next_token_bitmask(bitmask, row)
+        self._timed("mask", time.perf_counter() - start)
 
     def restrict(self, bitmask: torch.Tensor, row: int) -> None:
         """AND `row` (filled by xgrammar) with what the guards allow next."""
@@ -225,15 +262,20 @@ class XGrammarMatcher(Matcher):
         if num_tokens:
             self.native.rollback(num_tokens)
             del self._states[-num_tokens:]
+            self._tokens -= num_tokens        # (the time they took stays spent)
 
     def reset(self) -> None:
         self.native.reset()
         self._states = [(0,) * len(self._guards)]
+        self._spent, self._tokens = 0.0, 0
 
     def jump_forward_string(self) -> str:
-        if not self._jump_forward or self.native.is_terminated():
+        if not self._jump_forward or self.native.is_terminated() or self.error:
             return ""          # not proved to end (xgrammar_productive.py): never called
-        return self.native.find_jump_forward_string()
+        start = time.perf_counter()
+        forced = self.native.find_jump_forward_string()
+        self._timed("forced-text search", time.perf_counter() - start)
+        return "" if self.error else forced
 
 
 class XGrammarCompiled(CompiledGrammar):
@@ -304,11 +346,15 @@ class XGrammarBackend(GrammarBackend):
             else:
                 live.append(m)
                 live_rows.append(row)
+        start = time.perf_counter()
         if len(live) >= self._batch_fill_min:
             self._batch.batch_fill_next_token_bitmask([m.native for m in live], bitmask, live_rows)
+            if time.perf_counter() - start > FILL_LIMIT_S:    # whose? each one again, timed
+                for m, row in zip(live, live_rows):
+                    m.timed_fill(bitmask, row)
         else:
             for m, row in zip(live, live_rows):
-                m.native.fill_next_token_bitmask(bitmask, row)
+                m.timed_fill(bitmask, row)
         for m, row in zip(live, live_rows):
             m.restrict(bitmask, row)
         for src, dst in copies:

@@ -1,0 +1,92 @@
+"""One request's constraint cannot stall the engine: xgrammar's parser keeps every
+way an ambiguous constraint can split the text so far, and for nested repetitions
+that can match the same text that work grows token after token (`(([a-z]*)*)*`:
+twice the time each token; a random 60-character regex: a 13 s mask at its 16th
+token), on the engine thread, for every request in the batch. A matcher that runs
+past a step limit or its request's budget fails; the engine ends that request with
+the error and the others go on."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from formwork import LLM, SamplingParams, StructuredOutputsParams as SO
+from formwork.grammar import xgrammar_backend
+from formwork.grammar.backend import allocate_bitmask, allowed_mask
+from formwork.grammar.vocab import TokenVocab
+from formwork.grammar.xgrammar_backend import XGrammarBackend
+
+AMBIGUOUS = "(([a-z]*)*)*"
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer):
+    return TokenVocab.from_tokenizer(tokenizer, 49152)
+
+
+@pytest.fixture(scope="module")
+def backend(vocab):
+    return XGrammarBackend(vocab)
+
+
+def _walk(backend, vocab, pattern: str, steps: int, fill: bool = True):
+    """Random letters under the mask until the matcher refuses; (tokens, seconds)."""
+    m = backend.compile(SO(regex=pattern)).new_matcher()
+    letters = [i for i, b in enumerate(vocab.token_bytes) if b and b.isalpha() and b.islower()]
+    row, rng, start = allocate_bitmask(1, vocab.vocab_size), random.Random(0), time.perf_counter()
+    for n in range(steps):
+        if fill:
+            m.fill_bitmask(row, 0)
+            allowed = allowed_mask(row, 0, vocab.vocab_size)
+            assert all(allowed[t] for t in letters[:50])
+        if not m.accept_tokens([rng.choice(letters)]):
+            return m, n, time.perf_counter() - start
+    return m, steps, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("fill", [True, False], ids=["masked", "deferred"])
+def test_an_ambiguous_regex_fails_its_matcher_in_bounded_time(backend, vocab, fill):
+    m, n, seconds = _walk(backend, vocab, AMBIGUOUS, 2000, fill)
+    assert n < 2000 and "too ambiguous" in m.error, (n, seconds)
+    assert not m.accept_tokens([vocab.eos_token_id])      # refuses from then on
+    assert m.jump_forward_string() == ""
+
+
+def test_an_ordinary_regex_never_trips_the_limits(backend, vocab):
+    m, n, _ = _walk(backend, vocab, "[a-z]+(, [a-z]+)*", 300)
+    assert n == 300 and m.error == ""
+
+
+def test_the_budget_counts_tokens_kept_not_rolled_back(backend, vocab, monkeypatch):
+    """The per-request budget grows with the tokens kept: a check that accepts and
+    rolls back (deferred masks) spends time but earns no allowance."""
+    monkeypatch.setattr(xgrammar_backend, "BUDGET_BASE_S", 0.0)
+    monkeypatch.setattr(xgrammar_backend, "BUDGET_PER_TOKEN_S", 0.002)
+    m = backend.compile(SO(regex="[a-z]+")).new_matcher()
+    a = vocab.token_bytes.index(b"a")
+    for _ in range(5000):                 # accept + rollback: no token kept
+        if not m.accepts(a):
+            break
+    assert "over 1 tokens" in m.error     # the one being checked; counted 5000 it would pass
+
+
+def test_the_engine_ends_only_the_ambiguous_request(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=128)
+    try:
+        sps = [SamplingParams(max_tokens=400, temperature=1.0, top_p=0.9, seed=1,   # masked
+                              structured_outputs=SO(regex=AMBIGUOUS)),
+               SamplingParams(max_tokens=400, temperature=0,                       # deferred
+                              structured_outputs=SO(regex=AMBIGUOUS)),
+               SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, sps, use_tqdm=False)
+        for o in outs[:2]:
+            c = o.outputs[0]
+            assert c.finish_reason == "error" and "xgrammar took" in c.error, (c.finish_reason, c.error)
+        plain = outs[2].outputs[0]
+        assert plain.finish_reason == "length" and len(plain.token_ids) == 30
+        assert llm.engine.kv_manager.usage == 0.0
+    finally:
+        llm.shutdown()
