@@ -32,6 +32,7 @@ from formwork.gateway.dp_client import DPEngineClient
 from formwork.gateway.engine_factory import make_engine_client
 from formwork.gateway.errors import APIError, install_error_handlers
 from formwork.gateway.limits import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware, longest_token_chars
+from formwork.gateway import output_check
 from formwork.gateway.metrics import Metrics
 from formwork.gateway.responses_store import ResponseStore
 from formwork.gateway.routes import router
@@ -147,11 +148,13 @@ def _lifespan(config: EngineConfig, names: tuple[str, ...], api_key: str | None,
                                        options=requests, default_sampling=defaults,
                                        extra_stop_ids=extra_stop, constraints=constraints)
         warm = asyncio.create_task(asyncio.to_thread(constraints.start))
+        warm_classes = asyncio.create_task(asyncio.to_thread(output_check.warm))
         try:
             yield
         finally:
             log.info("shutting down the engine")
             warm.cancel()
+            warm_classes.cancel()
             constraints.shutdown()
             tokenizers.shutdown()
             await engine.shutdown()

@@ -23,9 +23,11 @@ Patterns come from the client and the check runs on the event loop, so no regex 
 matched with Python's `re`, which backtracks without bound (`(a|aa)+b` over 40 a's
 held the loop for 18 s: every other request froze). Regex constraints and JSON
 Schema `pattern` / `patternProperties` (and `additionalProperties` beside them)
-match with the `regex` package (mrab's; its VERSION0 is `re`'s dialect), which
-takes a timeout: a match past REGEX_TIMEOUT_S leaves the choice unchecked, and the
-pattern is remembered so that the next check of it costs nothing. `re` still
+match with the `regex` package (mrab's; VERSION0, `re`'s syntax), which takes a
+timeout: a match past REGEX_TIMEOUT_S leaves the choice unchecked, and the pattern
+is remembered so that the next check of it costs nothing. Its \w \d \s differ
+from `re`'s (combining marks are word characters there), so they, and \b \B, are
+spelled out as `re` reads them first (grammar/regex_classes.re_classes); `re` still
 decides which patterns are checkable at all (one it cannot compile: unchecked, as
 before).
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -43,6 +46,7 @@ from jsonschema.exceptions import ValidationError
 
 from formwork.gateway.tool_parser import parse_tool_output
 from formwork.gateway.tools import ToolMode, parameters_schema, tag_answer
+from formwork.grammar.regex_classes import re_classes
 from formwork.grammar.schema_walk import validator_class
 from formwork.schemas.openai import OutputCheck
 from formwork.schemas.structured import StructuredOutputsParams
@@ -92,10 +96,21 @@ def _validator(schema_text: str):
 def _bounded_regex(pattern: str) -> regex.Pattern | None:
     if _regex(pattern) is None:          # `re` cannot: unchecked, as before
         return None
+    spelled = re_classes(pattern)
+    if spelled is None:                  # an ASCII or locale flag: not re's Unicode sets
+        return None
     try:
-        return regex.compile(pattern, flags=regex.VERSION0)
+        with warnings.catch_warnings():      # "possible nested set": V1 syntax, not used
+            warnings.simplefilter("ignore", FutureWarning)
+            return regex.compile(spelled, flags=regex.VERSION0)
     except (regex.error, OverflowError, RecursionError):
         return None
+
+
+def warm() -> None:
+    """`re`'s class sets, read from `re` once (~0.7 s): at start-up, in a thread,
+    not in the first check of a pattern with a class, on the event loop."""
+    re_classes(r"\w\d\s")
 
 
 def _matches(pattern: str, text: str, full: bool = False) -> bool:

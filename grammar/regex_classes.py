@@ -174,3 +174,60 @@ def portable_classes(pattern: str, either: bool = False) -> str:
             out.append(ch)
         i += 1
     return "".join(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _re_items(letter: str) -> str:
+    """The items of \\<letter> exactly as Python's `re` reads it (upper case: negated)."""
+    members = _python(letter.lower())
+    return _items(members if letter.islower() else _complement(members))
+
+
+def re_classes(pattern: str) -> str | None:
+    """`pattern` (valid for Python's `re`) with \\d \\w \\s \\D \\W \\S spelled out as
+    the explicit sets `re` reads them as, and \\b \\B as lookarounds over \\w's set:
+    the same language under the `regex` package, whose own classes differ from
+    `re`'s (\\w: 30,468 code points, \\d: 110, \\s: 4 -- combining marks are word
+    characters there). None for a pattern with an ASCII or locale flag, where `re`'s
+    classes are not these sets."""
+    if re.search(r"\(\?[a-zA-Z]*[aL]", pattern):
+        return None
+    word = f"[{_re_items('w')}]"
+    bounds = {"b": f"(?:(?<={word})(?!{word})|(?<!{word})(?={word}))",
+              "B": f"(?:(?<={word})(?={word})|(?<!{word})(?!{word}))"}
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            esc = pattern[i + 1]
+            if esc in "dwsDWS":
+                items = _re_items(esc)
+                out.append(items if in_class else (f"[{items}]" if esc.islower()
+                                                   else f"[^{_re_items(esc.lower())}]"))
+                if in_class and pattern[i + 2:i + 3] == "-" and pattern[i + 3:i + 4] != "]":
+                    out.append("\\u002D")          # [\w-a]: a literal -, as `re` reads it
+                    i += 1
+            elif esc in "bB" and not in_class:
+                out.append(bounds[esc])
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if not in_class and ch == "[":
+            in_class = True
+            out.append(ch)
+            i += 1
+            if pattern[i:i + 1] == "^":
+                out.append("^")
+                i += 1
+            if pattern[i:i + 1] == "]":            # a literal ] first in the class
+                out.append("\\u005D")
+                i += 1
+            continue
+        if in_class and ch == "]":
+            in_class = False
+        elif in_class and ch == "[":
+            ch = "\\u005B"                          # literal for `re`; a POSIX class or
+        out.append(ch)                              # nested set to `regex`
+        i += 1
+    return "".join(out)

@@ -239,3 +239,22 @@ def test_a_backtracking_pattern_is_left_unchecked_in_bounded_time(params, text):
 def test_bounded_matching_keeps_res_semantics(params, text, valid):
     output_check._slow_patterns.clear()
     assert _valid(params, text)[0] is valid
+
+
+@pytest.mark.parametrize("params, text, valid", [
+    # the regex package reads \w with combining marks (U+0E38) and \d, \s a little
+    # differently from `re`: the check keeps `re`'s reading
+    (P(regex=r"\W"), "\u0e38", True), (P(regex=r"\w"), "\u0e38", False),
+    (P(regex=r"\w"), "\u00b2", True), (P(regex=r"[^\w]"), "\u0e38", True),
+    (P(regex=r"a\b."), "a\u0e38", True), (P(regex=r"a\B."), "a\u0e38", False),
+    (P(regex=r"\s"), "\x1c", True), (P(regex=r"[\d-]+"), "1-2", True),
+    (P(json={"type": "string", "pattern": r"^\W$"}), '"\u0e38"', True),
+    (P(regex=r"(?a)\w"), "\u00e9", None),              # ASCII flag: unchecked
+])
+def test_classes_keep_res_reading(params, text, valid):
+    import re
+
+    output_check._slow_patterns.clear()
+    assert _valid(params, text)[0] is valid
+    if params.regex and valid is not None:
+        assert bool(re.fullmatch(params.regex, text)) is valid

@@ -87,3 +87,31 @@ def test_bracket_syntax_rust_reads_otherwise_is_literal(pattern, texts):
         for text, expected in texts.items():
             assert bool(re.fullmatch(pattern, text)) == expected, text
             assert bool(re.fullmatch(rewritten, text)) == expected, text
+
+
+@pytest.mark.parametrize("pattern", [
+    r"\w", r"\W", r"\d+", r"\D", r"\s", r"\S", r"[\w-]+", r"[^\W_]", r"[\d\s]", r"a\b",
+    r"\bfoo\b", r"\Bx", r"[[:alpha:]]", r"[]a]", r"[^]a]", r"(?i)\w+", r"x{2}\w?"])
+def test_re_classes_read_as_re_reads_them_under_the_regex_package(pattern):
+    """gateway/output_check.py matches client patterns with the `regex` package (it
+    takes a timeout); its own \\w \\d \\s differ from `re`'s, the spelled-out ones
+    do not: random strings of characters from every plane, search and fullmatch."""
+    import random
+    import warnings
+
+    import regex
+
+    from formwork.grammar.regex_classes import re_classes
+
+    rng = random.Random(pattern)
+    chars = [chr(c) for c in (rng.randrange(0x20, 0x30000) for _ in range(2000))
+             if not 0xD800 <= c <= 0xDFFF] + list("\u0e38\u00b2\u0663\u2177_ a-\x1c\x85[:alph]")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)        # regex: "possible nested set"
+        ours = regex.compile(re_classes(pattern), flags=regex.VERSION0)
+    theirs = re.compile(pattern)
+    for _ in range(2000):
+        s = "".join(rng.choice(chars) for _ in range(rng.randint(0, 4)))
+        for f in ("search", "fullmatch"):
+            assert bool(getattr(ours, f)(s)) == bool(getattr(theirs, f)(s)), (f, s)
+    assert re_classes(r"(?a)\w") is None
