@@ -33,8 +33,11 @@ before).
 """
 from __future__ import annotations
 
+import contextvars
 import json
+import math
 import re
+import time
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -53,7 +56,12 @@ from formwork.schemas.structured import StructuredOutputsParams
 
 _VALIDATOR_CACHE_SIZE = 256
 _MAX_ERROR_CHARS = 300
-REGEX_TIMEOUT_S = 0.1          # one match; measured, a 60-property schema's check is ~1 ms
+REGEX_TIMEOUT_S = 0.1          # one match
+CHECK_REGEX_BUDGET_S = 0.3     # all of one choice's matches (many patterns, each just under)
+# the current check's deadline, set at its first match (compiling a pattern, or
+# reading re's classes the first time, is not matching time)
+_deadline: contextvars.ContextVar[list[float | None] | None] = contextvars.ContextVar(
+    "regex_deadline", default=None)
 _SLOW_PATTERNS_KEPT = 1024
 _slow_patterns: dict[str, None] = {}      # patterns that ran past the timeout (insertion order)
 
@@ -122,9 +130,19 @@ def _matches(pattern: str, text: str, full: bool = False) -> bool:
     compiled = _bounded_regex(pattern)
     if compiled is None:
         raise _Unchecked(f"the regex {_short(pattern)!r} does not compile here")
+    box, now = _deadline.get(), time.monotonic()
+    if box is not None and box[0] is None:
+        box[0] = now + CHECK_REGEX_BUDGET_S
+    left = math.inf if box is None else box[0] - now
+    if left <= 0:
+        raise _Unchecked(f"its patterns took longer than {CHECK_REGEX_BUDGET_S} s in all")
     try:
-        match = (compiled.fullmatch if full else compiled.search)(text, timeout=REGEX_TIMEOUT_S)
+        match = (compiled.fullmatch if full else compiled.search)(
+            text, timeout=min(REGEX_TIMEOUT_S, left))
     except TimeoutError:
+        if left < REGEX_TIMEOUT_S:       # the check's budget ran out, not this pattern's
+            raise _Unchecked(f"its patterns took longer than {CHECK_REGEX_BUDGET_S} s "
+                             "in all") from None
         _slow_patterns[pattern] = None
         while len(_slow_patterns) > _SLOW_PATTERNS_KEPT:
             del _slow_patterns[next(iter(_slow_patterns))]
@@ -280,12 +298,15 @@ def check_output(params: StructuredOutputsParams | None, mode: ToolMode | None, 
         return None
     if finish_reason == "error":
         return Verdict(False, "generation failed before the output was complete")
+    token = _deadline.set([None])
     try:
         checked, error = _error(params, mode, text)
     except _Unchecked as e:
         return Verdict(None, f"could not be checked: {e}")
     except Exception as e:      # e.g. a $ref jsonschema cannot resolve: never fail the reply
         return Verdict(None, _short(f"could not be checked: {type(e).__name__}: {e}"))
+    finally:
+        _deadline.reset(token)
     if not checked:
         return Verdict(None)
     if error is None:

@@ -258,3 +258,19 @@ def test_classes_keep_res_reading(params, text, valid):
     assert _valid(params, text)[0] is valid
     if params.regex and valid is not None:
         assert bool(re.fullmatch(params.regex, text)) is valid
+
+
+def test_many_slow_patterns_share_one_budget():
+    """Distinct patterns each just under the per-match timeout: the choice's check
+    stops at CHECK_REGEX_BUDGET_S in all (unchecked), not after every one of them."""
+    import time
+
+    output_check._slow_patterns.clear()
+    slow = [f"^(?:(a|aa)+{c}|a*)$" for c in "bcdefghijklmnopqrstuvwxyz"]   # match, slowly
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": p}
+                                               for i, p in enumerate(slow)}}
+    doc = json.dumps({f"p{i}": "a" * 27 for i in range(len(slow))})    # ~0.05-0.2 s each
+    start = time.perf_counter()
+    valid, error = _valid(P(json=schema), doc)
+    assert time.perf_counter() - start < output_check.CHECK_REGEX_BUDGET_S + 3 * output_check.REGEX_TIMEOUT_S
+    assert valid is None and "could not be checked" in error
