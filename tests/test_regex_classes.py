@@ -107,9 +107,9 @@ def test_re_classes_read_as_re_reads_them_under_the_regex_package(pattern):
     chars = [chr(c) for c in (rng.randrange(0x20, 0x30000) for _ in range(2000))
              if not 0xD800 <= c <= 0xDFFF] + list("\u0e38\u00b2\u0663\u2177_ a-\x1c\x85[:alph]")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)        # regex: "possible nested set"
+        warnings.simplefilter("ignore", FutureWarning)        # both: "possible nested set"
         ours = regex.compile(re_classes(pattern), flags=regex.VERSION0)
-    theirs = re.compile(pattern)
+        theirs = re.compile(pattern)
     for _ in range(2000):
         s = "".join(rng.choice(chars) for _ in range(rng.randint(0, 4)))
         for f in ("search", "fullmatch"):
