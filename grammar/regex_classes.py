@@ -119,7 +119,19 @@ def _inside(letter: str, negated: bool, either: bool) -> str:
     return _items(_members(letter, either != negated))
 
 
-def portable_classes(pattern: str, either: bool = False) -> str:
+# The control characters JSON writes only as \u00XX (and \b, \f). llguidance 1.9.1
+# quotes a string pattern's class holding some of them so that `\"` and `\\` pass
+# even where the class excludes `"` or `\`: measured, `[^"]*` took `a\"b`, `[^\\]*`
+# `a\\b`, `[^"\n]*` too (`[^"\t]*` did not). A JSON string's negated classes
+# (`json_string`) leave them out, which they then never generate (\t \n \r stay).
+_JSON_CONTROLS: Ranges = ((0x00, 0x08), (0x0B, 0x0C), (0x0E, 0x1F))
+
+
+def _json_negated_end(json_string: bool) -> str:
+    return _items(_JSON_CONTROLS) if json_string else ""
+
+
+def portable_classes(pattern: str, either: bool = False, json_string: bool = False) -> str:
     """`pattern` with \\d \\w \\s \\D \\W \\S and `.` spelled out (module doc): as
     what both readings match, or (`either`) what either may match: the language a
     check may accept, for proofs that must not assume the narrower one. Inside a
@@ -132,8 +144,13 @@ def portable_classes(pattern: str, either: bool = False) -> str:
         if ch == "\\" and i + 1 < len(pattern):
             esc = pattern[i + 1]
             if esc in "dwsDWS":
-                out.append(_outside(esc, either) if cls_negated is None
-                           else _inside(esc, cls_negated, either))
+                if cls_negated is None:
+                    outside = _outside(esc, either)
+                    if outside.startswith("[^"):
+                        outside = outside[:-1] + _json_negated_end(json_string) + "]"
+                    out.append(outside)
+                else:
+                    out.append(_inside(esc, cls_negated, either))
                 i += 2
                 if cls_negated is not None and pattern[i:i + 1] == "-" \
                         and pattern[i + 1:i + 2] != "]":
@@ -153,7 +170,8 @@ def portable_classes(pattern: str, either: bool = False) -> str:
                     out.append("\\u005D")
                     i += 1
                 continue
-            out.append(_outside(".", either) if ch == "." else ch)
+            out.append(_outside(".", either)[:-1] + _json_negated_end(json_string) + "]"
+                       if ch == "." else ch)
         else:
             if ch == "]":
                 if cls_negated and not either:
@@ -164,6 +182,8 @@ def portable_classes(pattern: str, either: bool = False) -> str:
                     # right, and adds nothing where a class lacked either (they are
                     # then excluded: an unassigned and a private-use character).
                     out.append(f"{_char(0xD7FF)}-{_char(0xE000)}")
+                if cls_negated:
+                    out.append(_json_negated_end(json_string))
                 cls_negated = None
             elif ch == "[" or pattern[i:i + 2] in ("&&", "~~"):
                 # literal here for ECMA-262 and Python; Rust regex (llguidance,

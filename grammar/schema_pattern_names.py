@@ -88,7 +88,7 @@ def portable_pattern_names(node: dict) -> dict:
         return node
     pp: dict[str, Any] = {}
     for name, schema in node["patternProperties"].items():
-        key = portable_classes(name)
+        key = portable_classes(name, json_string=True)     # names are JSON strings too
         pp[key] = {"allOf": [pp[key], schema]} if key in pp else schema
     out = node | {"patternProperties": pp}
     if not _opens_undeclared(node):

@@ -90,6 +90,27 @@ def test_outlines_digits_are_ascii(compile_for, tokenizer, vocab):
         choose_backend(P(json={"type": "string", "pattern": "^[\\D]+$"}, backend="outlines"))
 
 
+# llguidance 1.9.1 let `\"` and `\\` through classes that exclude `"` or `\` (the
+# usual "no quote" / "no backslash" patterns) when they also hold control characters
+QUOTE_FREE = {
+    '^[^"]*$': {'"a\\"b"': False, '"ab"': True, '"a\\\\b"': True, '"a\\tb"': True},
+    '^[^\\\\]*$': {'"a\\\\b"': False, '"a\\"b"': True, '"ab"': True},
+    '^[^"\\\\]+$': {'"\\""': False, '"\\\\"': False, '"x"': True},
+    '^[^a"]+$': {'"\\""': False, '"b"': True},
+    '^[^"\\n]*$': {'"a\\"b"': False, '"a\\nb"': False, '"ab"': True},
+    '^[^"]*\\s': {'"\\"x "': False, '"x "': True},
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance"])
+@pytest.mark.parametrize("pattern", sorted(QUOTE_FREE))
+def test_a_class_without_quote_or_backslash_admits_neither_escaped(
+        backend, pattern, compile_for, tokenizer, vocab):
+    schema = {"type": "string", "pattern": pattern}
+    _, compiled = compile_for(P(json=schema, backend=backend))
+    judge(compiled, tokenizer, vocab, schema, QUOTE_FREE[pattern])
+
+
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
         "required": ["city"], "additionalProperties": False}
 
