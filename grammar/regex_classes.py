@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 
 _MAX = 0x10FFFF
 _SURROGATES = (0xD800, 0xDFFF)
@@ -131,33 +132,29 @@ def _json_negated_end(json_string: bool) -> str:
     return _items(_JSON_CONTROLS) if json_string else ""
 
 
-def portable_classes(pattern: str, either: bool = False, json_string: bool = False) -> str:
-    """`pattern` with \\d \\w \\s \\D \\W \\S and `.` spelled out (module doc): as
-    what both readings match, or (`either`) what either may match: the language a
-    check may accept, for proofs that must not assume the narrower one. Inside a
-    bracket expression `[`, `&&` and `~~` are written as the literals ECMA-262
-    and Python read them as (`[[:alpha:]]` is the set `[:alph` then `]` there,
-    and a POSIX class to Rust regex). Other escapes and syntax are left as they are."""
+def _rewrite(pattern: str, outside: Callable[[str], str], inside: Callable[[str, bool], str],
+             dot: str | None, bounds: dict[str, str], close: Callable[[bool], str]) -> str:
+    """The one scan both rewrites share: each \\d \\w \\s \\D \\W \\S becomes
+    outside(letter) or, in a bracket expression, inside(letter, negated); `.` becomes
+    `dot` (None: kept); \\b \\B outside brackets become bounds[letter] where given;
+    close(negated) goes before a bracket expression's `]`. Inside brackets `[`, `&&`
+    and `~~` are written as the literals ECMA-262 and Python read them as, a `-`
+    after a spelled-out class as a literal, and a `]` first in the class as one."""
     out, i, cls_negated = [], 0, None          # None: outside a bracket expression
     while i < len(pattern):
         ch = pattern[i]
         if ch == "\\" and i + 1 < len(pattern):
             esc = pattern[i + 1]
             if esc in "dwsDWS":
-                if cls_negated is None:
-                    outside = _outside(esc, either)
-                    if outside.startswith("[^"):
-                        outside = outside[:-1] + _json_negated_end(json_string) + "]"
-                    out.append(outside)
-                else:
-                    out.append(_inside(esc, cls_negated, either))
+                out.append(outside(esc) if cls_negated is None else inside(esc, cls_negated))
                 i += 2
                 if cls_negated is not None and pattern[i:i + 1] == "-" \
                         and pattern[i + 1:i + 2] != "]":
                     out.append("\\u002D")         # [\w-a]: a literal -, not a range now
                     i += 1
             else:
-                out.append(pattern[i:i + 2])
+                out.append(bounds.get(esc, pattern[i:i + 2]) if cls_negated is None
+                           else pattern[i:i + 2])
                 i += 2
             continue
         if cls_negated is None:
@@ -170,30 +167,48 @@ def portable_classes(pattern: str, either: bool = False, json_string: bool = Fal
                     out.append("\\u005D")
                     i += 1
                 continue
-            out.append(_outside(".", either)[:-1] + _json_negated_end(json_string) + "]"
-                       if ch == "." else ch)
+            out.append(dot if ch == "." and dot is not None else ch)
         else:
             if ch == "]":
-                if cls_negated and not either:
-                    # llguidance's negated class admits U+D7FF and U+E000 whenever it
-                    # holds both (`[^\W_]`: both are \W): the two sides of the
-                    # surrogate gap merge and its complement is cut one off at each
-                    # end. The same class with the gap as one explicit range is
-                    # right, and adds nothing where a class lacked either (they are
-                    # then excluded: an unassigned and a private-use character).
-                    out.append(f"{_char(0xD7FF)}-{_char(0xE000)}")
-                if cls_negated:
-                    out.append(_json_negated_end(json_string))
+                out.append(close(cls_negated))
                 cls_negated = None
             elif ch == "[" or pattern[i:i + 2] in ("&&", "~~"):
                 # literal here for ECMA-262 and Python; Rust regex (llguidance,
-                # outlines-core) reads a nested class, [:alpha:] or a set operation
+                # outlines-core) reads a nested class, [:alpha:] or a set operation,
+                # and the regex package ([[:alpha:]]) a POSIX class
                 out.append(f"\\u{ord(ch):04X}")
                 i += 1
                 continue
             out.append(ch)
         i += 1
     return "".join(out)
+
+
+def portable_classes(pattern: str, either: bool = False, json_string: bool = False) -> str:
+    """`pattern` with \\d \\w \\s \\D \\W \\S and `.` spelled out (module doc): as
+    what both readings match, or (`either`) what either may match: the language a
+    check may accept, for proofs that must not assume the narrower one. Inside a
+    bracket expression `[`, `&&` and `~~` are written as the literals ECMA-262
+    and Python read them as (`[[:alpha:]]` is the set `[:alph` then `]` there,
+    and a POSIX class to Rust regex). Other escapes and syntax are left as they are."""
+    json_end = _json_negated_end(json_string)
+
+    def outside(letter: str) -> str:
+        spelled = _outside(letter, either)
+        return spelled[:-1] + json_end + "]" if spelled.startswith("[^") else spelled
+
+    def close(negated: bool) -> str:
+        # llguidance's negated class admits U+D7FF and U+E000 whenever it holds both
+        # (`[^\\W_]`: both are \\W): the two sides of the surrogate gap merge and its
+        # complement is cut one off at each end. The same class with the gap as one
+        # explicit range is right, and adds nothing where a class lacked either (they
+        # are then excluded: an unassigned and a private-use character).
+        if not negated:
+            return ""
+        return ("" if either else f"{_char(0xD7FF)}-{_char(0xE000)}") + json_end
+
+    return _rewrite(pattern, outside, lambda letter, negated: _inside(letter, negated, either),
+                    dot=outside("."), bounds={}, close=close)
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,39 +230,8 @@ def re_classes(pattern: str) -> str | None:
     word = f"[{_re_items('w')}]"
     bounds = {"b": f"(?:(?<={word})(?!{word})|(?<!{word})(?={word}))",
               "B": f"(?:(?<={word})(?={word})|(?<!{word})(?!{word}))"}
-    out, i, in_class = [], 0, False
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\" and i + 1 < len(pattern):
-            esc = pattern[i + 1]
-            if esc in "dwsDWS":
-                items = _re_items(esc)
-                out.append(items if in_class else (f"[{items}]" if esc.islower()
-                                                   else f"[^{_re_items(esc.lower())}]"))
-                if in_class and pattern[i + 2:i + 3] == "-" and pattern[i + 3:i + 4] != "]":
-                    out.append("\\u002D")          # [\w-a]: a literal -, as `re` reads it
-                    i += 1
-            elif esc in "bB" and not in_class:
-                out.append(bounds[esc])
-            else:
-                out.append(pattern[i:i + 2])
-            i += 2
-            continue
-        if not in_class and ch == "[":
-            in_class = True
-            out.append(ch)
-            i += 1
-            if pattern[i:i + 1] == "^":
-                out.append("^")
-                i += 1
-            if pattern[i:i + 1] == "]":            # a literal ] first in the class
-                out.append("\\u005D")
-                i += 1
-            continue
-        if in_class and ch == "]":
-            in_class = False
-        elif in_class and ch == "[":
-            ch = "\\u005B"                          # literal for `re`; a POSIX class or
-        out.append(ch)                              # nested set to `regex`
-        i += 1
-    return "".join(out)
+    return _rewrite(pattern,
+                    lambda letter: (f"[{_re_items(letter)}]" if letter.islower()
+                                    else f"[^{_re_items(letter.lower())}]"),
+                    lambda letter, negated: _re_items(letter),
+                    dot=None, bounds=bounds, close=lambda negated: "")
