@@ -217,7 +217,7 @@ def _closed(schema: Any, params: StructuredOutputsParams) -> Any:
         schema = map_subschemas(schema, lambda n: number_forms(_float_multiple(
             portable_pattern_names(portable_pattern(raise_lowest_bound(float_safe_bounds(
                 exact_dates(backend_format(n, FORMATS, draft3), draft3)), LOWEST_BOUND),
-                json_string=True)))))
+                json_string=True, rust_sets=True)))))
     schema = drop_legacy_ref_siblings(schema)
     if params.additional_properties == "declared":
         schema = close_declared_objects(schema)

@@ -124,7 +124,10 @@ def _inside(letter: str, negated: bool, either: bool) -> str:
 # quotes a string pattern's class holding some of them so that `\"` and `\\` pass
 # even where the class excludes `"` or `\`: measured, `[^"]*` took `a\"b`, `[^\\]*`
 # `a\\b`, `[^"\n]*` too (`[^"\t]*` did not). A JSON string's negated classes
-# (`json_string`) leave them out, which they then never generate (\t \n \r stay).
+# (`json_string`) leave them out, which they then never generate (\t \n \r stay);
+# for llguidance (`rust_sets`) its positive classes lose them by a class intersection,
+# `[[...]&&[^...]]` (Rust regex syntax, which it reads right: `^[\x00-\x1fa]*$` took
+# `a\"a` and `a\\a` as written, neither once intersected).
 _JSON_CONTROLS: Ranges = ((0x00, 0x08), (0x0B, 0x0C), (0x0E, 0x1F))
 
 
@@ -133,11 +136,13 @@ def _json_negated_end(json_string: bool) -> str:
 
 
 def _rewrite(pattern: str, outside: Callable[[str], str], inside: Callable[[str, bool], str],
-             dot: str | None, bounds: dict[str, str], close: Callable[[bool], str]) -> str:
+             dot: str | None, bounds: dict[str, str], close: Callable[[bool], str],
+             opening: Callable[[bool], str] = lambda negated: "[^" if negated else "[") -> str:
     """The one scan both rewrites share: each \\d \\w \\s \\D \\W \\S becomes
     outside(letter) or, in a bracket expression, inside(letter, negated); `.` becomes
     `dot` (None: kept); \\b \\B outside brackets become bounds[letter] where given;
-    close(negated) goes before a bracket expression's `]`. Inside brackets `[`, `&&`
+    opening(negated) is written for a bracket expression's `[` (or `[^`) and
+    close(negated) before its `]`. Inside brackets `[`, `&&`
     and `~~` are written as the literals ECMA-262 and Python read them as, a `-`
     after a spelled-out class as a literal, and a `]` first in the class as one."""
     out, i, cls_negated = [], 0, None          # None: outside a bracket expression
@@ -161,7 +166,7 @@ def _rewrite(pattern: str, outside: Callable[[str], str], inside: Callable[[str,
             if ch == "[":
                 i += 1
                 cls_negated = pattern[i:i + 1] == "^"
-                out.append("[^" if cls_negated else "[")
+                out.append(opening(cls_negated))
                 i += cls_negated
                 if pattern[i:i + 1] == "]":        # a literal ] first in the class
                     out.append("\\u005D")
@@ -184,7 +189,8 @@ def _rewrite(pattern: str, outside: Callable[[str], str], inside: Callable[[str,
     return "".join(out)
 
 
-def portable_classes(pattern: str, either: bool = False, json_string: bool = False) -> str:
+def portable_classes(pattern: str, either: bool = False, json_string: bool = False,
+                     rust_sets: bool = False) -> str:
     """`pattern` with \\d \\w \\s \\D \\W \\S and `.` spelled out (module doc): as
     what both readings match, or (`either`) what either may match: the language a
     check may accept, for proofs that must not assume the narrower one. Inside a
@@ -204,11 +210,15 @@ def portable_classes(pattern: str, either: bool = False, json_string: bool = Fal
         # explicit range is right, and adds nothing where a class lacked either (they
         # are then excluded: an unassigned and a private-use character).
         if not negated:
-            return ""
+            return f"]&&[^{json_end}]" if intersect else ""
         return ("" if either else f"{_char(0xD7FF)}-{_char(0xE000)}") + json_end
 
+    # a positive class intersected is nested whole, `[[...]&&[^...]]`, so that a `-`
+    # it ends with stays a literal
+    intersect = bool(json_end) and rust_sets
     return _rewrite(pattern, outside, lambda letter, negated: _inside(letter, negated, either),
-                    dot=outside("."), bounds={}, close=close)
+                    dot=outside("."), bounds={}, close=close,
+                    opening=lambda negated: "[^" if negated else ("[[" if intersect else "["))
 
 
 @functools.lru_cache(maxsize=None)

@@ -274,9 +274,10 @@ def _backend_view(schema: Any, backend: str) -> Any:
     return map_subschemas(schema, lambda node: portable_pattern(drop_inapplicable(node)))
 
 
-def portable_pattern(node: dict, either: bool = False, json_string: bool = False) -> dict:
+def portable_pattern(node: dict, either: bool = False, json_string: bool = False,
+                     rust_sets: bool = False) -> dict:
     """`node` with its `pattern`'s classes spelled out (`portable_classes`)."""
     pattern = node.get("pattern")
     if not isinstance(pattern, str):
         return node
-    return node | {"pattern": portable_classes(pattern, either, json_string)}
+    return node | {"pattern": portable_classes(pattern, either, json_string, rust_sets)}

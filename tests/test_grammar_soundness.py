@@ -99,6 +99,9 @@ QUOTE_FREE = {
     '^[^a"]+$': {'"\\""': False, '"b"': True},
     '^[^"\\n]*$': {'"a\\"b"': False, '"a\\nb"': False, '"ab"': True},
     '^[^"]*\\s': {'"\\"x "': False, '"x "': True},
+    # positive classes spanning the control characters: intersected (Rust class syntax)
+    '^[\\x00-\\x1fa]*$': {'"a\\"a"': False, '"a\\\\a"': False, '"a\\na"': True, '"aa"': True},
+    '^[\\x00-!#-~]*$': {'"a\\"a"': False, '"a\\\\a"': True, '"a\\ta"': True},
 }
 
 
