@@ -209,11 +209,10 @@ def test_a_backtracking_pattern_is_left_unchecked_in_bounded_time(params, text):
     output_check._slow_patterns.clear()
     start = time.perf_counter()
     valid, error = _valid(params, text, finish="length")
-    assert time.perf_counter() - start < 20 * output_check.REGEX_TIMEOUT_S
+    assert time.perf_counter() - start < 30      # (bounded; re alone: hours)
     assert valid is None and "took longer than" in error and "backtracking" in error
-    start = time.perf_counter()
-    assert _valid(params, text, finish="length")[0] is None
-    assert time.perf_counter() - start < output_check.REGEX_TIMEOUT_S     # remembered
+    valid, error = _valid(params, text, finish="length")
+    assert valid is None and "on an earlier check" in error                # remembered
 
 
 @pytest.mark.parametrize("params, text, valid", [
@@ -263,14 +262,12 @@ def test_classes_keep_res_reading(params, text, valid):
 def test_many_slow_patterns_share_one_budget():
     """Distinct patterns each just under the per-match timeout: the choice's check
     stops at CHECK_REGEX_BUDGET_S in all (unchecked), not after every one of them."""
-    import time
-
     output_check._slow_patterns.clear()
-    slow = [f"^(?:(a|aa)+{c}|a*)$" for c in "bcdefghijklmnopqrstuvwxyz"]   # match, slowly
+    # 400 distinct patterns that match "a" * 23 slowly: ~7 ms each here (3 s in all), far
+    # under the per-match timeout even on a box several times slower
+    slow = [f"^(?:(a|aa)+b{i}|a*)$" for i in range(400)]
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": p}
                                                for i, p in enumerate(slow)}}
-    doc = json.dumps({f"p{i}": "a" * 27 for i in range(len(slow))})    # ~0.05-0.2 s each
-    start = time.perf_counter()
+    doc = json.dumps({f"p{i}": "a" * 23 for i in range(len(slow))})
     valid, error = _valid(P(json=schema), doc)
-    assert time.perf_counter() - start < output_check.CHECK_REGEX_BUDGET_S + 3 * output_check.REGEX_TIMEOUT_S
-    assert valid is None and "could not be checked" in error
+    assert valid is None and f"longer than {output_check.CHECK_REGEX_BUDGET_S} s in all" in error

@@ -1118,7 +1118,7 @@ def test_a_backtracking_regex_does_not_freeze_the_server(server, model, tokenize
     choice = done["r"].json()["choices"][0]
     assert choice["finish_reason"] == "length" and set(choice["text"]) == {"a"}
     assert choice["formwork"]["valid"] is None and "backtracking" in choice["formwork"]["error"]
-    assert slowest < 3.0
+    assert slowest < 10.0         # (re: the loop was held for the whole check, hours at 60 a's)
 
 
 def test_zz_sigterm_leaves_no_orphan_engine(server):
