@@ -9,13 +9,22 @@ that accepts. Orders (measured, see README "Structured outputs"):
   is exact where it accepts (patterns, lengths, string escapes) and refuses what
   it does not implement; xgrammar and outlines-core serve what it refuses, each
   behind formwork's own keyword rules.
-- regex, choice: xgrammar, llguidance, outlines (all exact; xgrammar's regex
-  dialect is the documented one, `\\d` = [0-9]).
+- regex: llguidance, xgrammar, outlines (all exact, and every backend reads the
+  classes alike: regex_classes.py). llguidance matches a regex with a lazily
+  built DFA, so a mask does not cost more as the text grows; xgrammar's parser
+  keeps every way an ambiguous regex can split the text so far, and for everyday
+  ones (`([a-z]+ ?)+\\.`, `(\\w+\\s?)*`) a mask took 25-160 ms a token, growing
+  until its time limit failed the request (524 regexes walked 96 tokens each:
+  xgrammar spent over 1 s on the masks of 42 walks, worst step 1.9 s; llguidance
+  none, worst step 4 ms; README). xgrammar serves what llguidance refuses
+  (`\\0`, `[\\b]`, `\\cA`).
+- choice: xgrammar, llguidance, outlines (an alternation of literals, unambiguous).
 - grammar: xgrammar (its EBNF is the documented dialect), then llguidance (Lark).
 - structural_tag: xgrammar (its own format language), then llguidance (triggered
   tags with JSON schemas; serves the tool schemas xgrammar refuses, e.g. patterns).
 
-When none accepts, the first backend's reason is raised, e.g. "unsupported JSON
+When none accepts, the first backend's reason is raised (for regexes
+xgrammar's, which names the fault and its position), e.g. "unsupported JSON
 Schema keyword 'uniqueItems' at $.properties.tags". Explicit backends are checked
 the same way and never substituted.
 """
@@ -92,11 +101,16 @@ ALIASES = {"guidance": "llguidance"}   # vLLM's name
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "json": ("llguidance", "xgrammar", "outlines"),
     "json_object": ("llguidance", "xgrammar"),
-    "regex": ("xgrammar", "llguidance", "outlines"),
+    "regex": ("llguidance", "xgrammar", "outlines"),
     "choice": ("xgrammar", "llguidance", "outlines"),
     "grammar": ("xgrammar", "llguidance"),
     "structural_tag": ("xgrammar", "llguidance"),
 }
+# Whose reason is raised when no backend accepts, where not the first's: xgrammar
+# names a regex's fault and its position ("The parenthesis is not closed",
+# "Lookahead is not supported yet"); llguidance's message stops at "regex parse
+# error:".
+REFUSAL_FROM: dict[str, str] = {"regex": "xgrammar"}
 
 
 def choose_backend(params: StructuredOutputsParams, default_backend: str = "auto") -> str:
@@ -124,7 +138,7 @@ def _choose(params: StructuredOutputsParams, default_backend: str, *,
             llguidance_first: bool) -> str:
     """The requested backend if it accepts; for "auto" the first in AUTO_ORDER that
     accepts (tried llguidance first when asked: the verdict is the same), else the
-    error of AUTO_ORDER's first backend."""
+    error of AUTO_ORDER's first backend (REFUSAL_FROM's where it names one)."""
     name = _requested(params, default_backend)
     _finite(params)                         # true for every backend
     if name != "auto":
@@ -141,7 +155,7 @@ def _choose(params: StructuredOutputsParams, default_backend: str, *,
             if isinstance(err, NoFiniteOutput):
                 raise                       # true for every backend (xgrammar's own read)
             errors[candidate] = err
-    raise errors[order[0]]
+    raise errors[REFUSAL_FROM.get(params.kind(), order[0])]
 
 
 def _requested(params: StructuredOutputsParams, default_backend: str) -> str:

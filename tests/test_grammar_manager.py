@@ -94,7 +94,7 @@ def test_compile_timeout_fails_the_request(tokenizer, monkeypatch):
     m = StructuredOutputManager(tokenizer, VOCAB, compile_timeout_s=0.2)
     slow = SlowBackend(m._backends["xgrammar"], delay_s=5.0)
     monkeypatch.setitem(m._backends, "xgrammar", slow)
-    m.submit("r", P(regex="[a-z]+"))
+    m.submit("r", P(regex="[a-z]+", backend="xgrammar"))
     time.sleep(0.3)
     assert m.status("r") == "failed" and "longer than 0.2 s" in m.error("r")
     slow.release.set()
@@ -103,7 +103,7 @@ def test_compile_timeout_fails_the_request(tokenizer, monkeypatch):
 
 def test_auto_takes_the_first_backend_that_enforces_the_constraint(manager, tokenizer):
     manager.submit("p", P(regex=r"\p{L}+"))          # xgrammar: no Unicode classes
-    manager.submit("x", P(regex=r"[a-z]+"))
+    manager.submit("x", P(choice=["a", "b"]))
     manager.submit("j", P(json={"type": "string", "pattern": "^a+$"}))  # xgrammar: loose
     for rid in "pxj":
         assert wait(manager, rid) == "ready", manager.error(rid)

@@ -8,6 +8,7 @@ the error and the others go on."""
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import pytest
@@ -16,10 +17,12 @@ import torch
 from formwork import LLM, SamplingParams, StructuredOutputsParams as SO
 from formwork.grammar import xgrammar_backend
 from formwork.grammar.backend import allocate_bitmask, allowed_mask
+from formwork.grammar.selection import choose_backend
 from formwork.grammar.vocab import TokenVocab
 from formwork.grammar.xgrammar_backend import XGrammarBackend
 
 AMBIGUOUS = "(([a-z]*)*)*"
+EVERYDAY = r"(\w+\s?)*"          # words and single spaces: xgrammar 25-45 ms a mask
 
 
 @pytest.fixture(scope="module")
@@ -74,19 +77,54 @@ def test_the_budget_counts_tokens_kept_not_rolled_back(backend, vocab, monkeypat
 
 
 def test_the_engine_ends_only_the_ambiguous_request(tiny_model_dir):
+    """Served by xgrammar (asked for by name), the ambiguous regex fails its two
+    requests and nothing else; under `auto` the same regex, and an everyday one
+    xgrammar also failed on, go to llguidance and run to max_tokens matching."""
     llm = LLM(str(tiny_model_dir), engine_process=False, dtype="float32", num_kv_blocks=128)
+    xgr = dict(regex=AMBIGUOUS, backend="xgrammar")
     try:
         sps = [SamplingParams(max_tokens=400, temperature=1.0, top_p=0.9, seed=1,   # masked
-                              structured_outputs=SO(regex=AMBIGUOUS)),
+                              structured_outputs=SO(**xgr)),
                SamplingParams(max_tokens=400, temperature=0,                       # deferred
-                              structured_outputs=SO(regex=AMBIGUOUS)),
+                              structured_outputs=SO(**xgr)),
                SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
-        outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, sps, use_tqdm=False)
+        sps += [SamplingParams(max_tokens=400, temperature=temperature, seed=2,
+                               structured_outputs=SO(regex=regex))
+                for regex in (AMBIGUOUS, EVERYDAY) for temperature in (0, 1.0)]
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * len(sps), sps, use_tqdm=False)
         for o in outs[:2]:
             c = o.outputs[0]
             assert c.finish_reason == "error" and "xgrammar took" in c.error, (c.finish_reason, c.error)
         plain = outs[2].outputs[0]
         assert plain.finish_reason == "length" and len(plain.token_ids) == 30
+        for o, sp in zip(outs[3:], sps[3:]):
+            c = o.outputs[0]
+            assert c.finish_reason in ("stop", "length") and not c.error, (c.finish_reason, c.error)
+            # every prefix of a match is a match for both regexes, so a cut text matches too
+            assert re.fullmatch(sp.structured_outputs.regex, c.text), c.text
         assert llm.engine.kv_manager.usage == 0.0
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("regex", [AMBIGUOUS, EVERYDAY])
+def test_auto_serves_ambiguous_regexes_with_llguidance(regex, tokenizer, vocab):
+    """Walked 300 tokens of letters and spaces under `auto`'s choice: no error, where
+    xgrammar's matcher failed (test above) -- llguidance's lazily built DFA does not
+    keep the ways the text can split."""
+    from formwork.grammar.manager import build_backend
+    params = SO(regex=regex)
+    assert choose_backend(params) == "llguidance"
+    m = build_backend("llguidance", vocab, tokenizer).compile(params).new_matcher()
+    pieces = [i for i, b in enumerate(vocab.token_bytes)
+              if b and (b.isalpha() and b.islower() or b == b" ")]
+    row, rng = allocate_bitmask(1, vocab.vocab_size), random.Random(0)
+    kept = []
+    for _ in range(300):
+        m.fill_bitmask(row, 0)
+        allowed = allowed_mask(row, 0, vocab.vocab_size)
+        choices = [t for t in pieces[:2000] if allowed[t]]
+        assert choices
+        kept.append(rng.choice(choices))
+        assert m.accept_tokens([kept[-1]])
+    assert re.fullmatch(regex, b"".join(vocab.token_bytes[t] for t in kept).decode())
