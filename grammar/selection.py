@@ -14,9 +14,9 @@ that accepts. Orders (measured, see README "Structured outputs"):
   built DFA, so a mask does not cost more as the text grows; xgrammar's parser
   keeps every way an ambiguous regex can split the text so far, and for everyday
   ones (`([a-z]+ ?)+\\.`, `(\\w+\\s?)*`) a mask took 25-160 ms a token, growing
-  until its time limit failed the request (524 regexes walked 96 tokens each:
-  xgrammar spent over 1 s on the masks of 42 walks, worst step 1.9 s; llguidance
-  none, worst step 4 ms; README). xgrammar serves what llguidance refuses
+  until its time limit failed the request (bench/regex_backends.py, 524 regexes
+  walked 96 tokens each: xgrammar failed 24 walks by its time limits, worst step
+  4.2 s; llguidance none, worst step 8 ms). xgrammar serves what llguidance refuses
   (`\\0`, `[\\b]`, `\\cA`).
 - choice: xgrammar, llguidance, outlines (an alternation of literals, unambiguous).
 - grammar: xgrammar (its EBNF is the documented dialect), then llguidance (Lark).
