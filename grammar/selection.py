@@ -18,7 +18,9 @@ that accepts. Orders (measured, see README "Structured outputs"):
   walked 96 tokens each: xgrammar failed 24 walks by its time limits, worst step
   4.2 s; llguidance none, worst step 8 ms). xgrammar serves what llguidance refuses
   (`\\0`, `[\\b]`, `\\cA`).
-- choice: xgrammar, llguidance, outlines (an alternation of literals, unambiguous).
+- choice: llguidance, xgrammar, outlines (an alternation of literals: exact and
+  unambiguous on each; llguidance compiles a long list faster -- 1,000 choices
+  20 vs 79 ms, 100,000 3 vs 32 s, past the default 30 s compile timeout).
 - grammar: xgrammar (its EBNF is the documented dialect), then llguidance (Lark).
 - structural_tag: xgrammar (its own format language), then llguidance (triggered
   tags with JSON schemas; serves the tool schemas xgrammar refuses, e.g. patterns).
@@ -102,7 +104,7 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "json": ("llguidance", "xgrammar", "outlines"),
     "json_object": ("llguidance", "xgrammar"),
     "regex": ("llguidance", "xgrammar", "outlines"),
-    "choice": ("xgrammar", "llguidance", "outlines"),
+    "choice": ("llguidance", "xgrammar", "outlines"),
     "grammar": ("xgrammar", "llguidance"),
     "structural_tag": ("xgrammar", "llguidance"),
 }

@@ -103,7 +103,7 @@ def test_compile_timeout_fails_the_request(tokenizer, monkeypatch):
 
 def test_auto_takes_the_first_backend_that_enforces_the_constraint(manager, tokenizer):
     manager.submit("p", P(regex=r"\p{L}+"))          # xgrammar: no Unicode classes
-    manager.submit("x", P(choice=["a", "b"]))
+    manager.submit("x", P(grammar='root ::= "a" | "b"'))
     manager.submit("j", P(json={"type": "string", "pattern": "^a+$"}))  # xgrammar: loose
     for rid in "pxj":
         assert wait(manager, rid) == "ready", manager.error(rid)

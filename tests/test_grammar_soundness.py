@@ -288,7 +288,7 @@ def test_oneof_proved_disjoint_by_formwork_is_served_by_llguidance(compile_for, 
     (P(regex="[a-z]+"), "llguidance"),
     (P(regex="\\p{L}+"), "llguidance"),
     (P(regex="[\\b]x"), "xgrammar"),                 # llguidance refuses the backspace class
-    (P(choice=["a", "b"]), "xgrammar"),
+    (P(choice=["a", "b"]), "llguidance"),
     (P(grammar='root ::= "a" | "b"'), "xgrammar"),
     (P(grammar='start: "a" | "b"'), "llguidance"),
     (P(choice=["a", "b"], backend="guidance"), "llguidance"),
