@@ -28,6 +28,8 @@ from typing import Any, Callable, Sequence
 from formwork.core.step_hooks import StepHooks
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
+from formwork.schemas.errors import ParamError
+from formwork.grammar.selection import validate_params
 from formwork.gateway.beam_search import BeamSearch, BeamSearchOutput
 from formwork.schemas.sampling import (BeamSearchParams, SamplingParams, check_priority,
                                        check_token_ids, resolve_bad_words, with_stop_ids)
@@ -181,6 +183,7 @@ class LLM:
             resolve_bad_words(p, self.tokenizer)
             check_token_ids(p, self.engine.vocab_size)
             check_priority(p, self.config.scheduling_policy)
+        self._check_constraints(params)
         order = []
         for (text, ids), p in zip(tokenized, params):
             rid = str(next(self._ids))
@@ -192,6 +195,25 @@ class LLM:
                 self._abort(order)
                 raise
         return self._run(order, use_tqdm, on_finished)
+
+    def _check_constraints(self, params: list[SamplingParams]) -> None:
+        """Each distinct output constraint checked as the server checks it before a
+        400 (schema against its meta-schema, keywords some backend enforces, regex and
+        grammar syntax, a finite output): a ValueError naming `structured_outputs`
+        from `generate` itself, as vLLM's LLM raises, not an empty output whose
+        finish_reason is "error". Compiles nothing against the tokenizer."""
+        checked: set[int] = set()
+        for p in params:
+            so = p.structured_outputs
+            if so is None or id(so) in checked:
+                continue
+            checked.add(id(so))
+            try:
+                validate_params(so, self.config.structured_backend)
+            except ParamError:
+                raise                               # names its field already
+            except ValueError as err:
+                raise ParamError("structured_outputs", str(err)) from None
 
     def _abort(self, rids: list[str]) -> None:
         engine_ids = [eid for rid in rids for eid in self._processor.abort_request(rid)]

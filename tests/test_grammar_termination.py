@@ -112,14 +112,22 @@ def test_recursion_with_a_way_out_is_served(params):
     validate_params(params)
 
 
-def test_engine_refuses_before_jump_forward(tiny_llm):
-    """In the engine (offline API, in-process): the request ends with its error (as
-    any constraint the engine refuses), not a hang."""
+def test_engine_refuses_before_jump_forward(tiny_llm, monkeypatch):
+    """Offline, `generate` refuses such a constraint itself (ValueError naming
+    structured_outputs, as the server's 400); past that check, the engine (in-process)
+    ends the request with its error (as any constraint it refuses), not a hang."""
     from formwork import SamplingParams, StructuredOutputsParams
 
-    for so in (StructuredOutputsParams(grammar='root ::= "b" | "a" x\nx ::= "a" x',
-                                       backend="xgrammar"),
-               StructuredOutputsParams(json=json.loads(json.dumps(SELF_REQUIRED)))):
+    cases = (StructuredOutputsParams(grammar='root ::= "b" | "a" x\nx ::= "a" x',
+                                     backend="xgrammar"),
+             StructuredOutputsParams(json=json.loads(json.dumps(SELF_REQUIRED))))
+    for so in cases:
+        with pytest.raises(ValueError, match="no output that ends|no finite instance") as e:
+            tiny_llm.generate("x", SamplingParams(max_tokens=8, structured_outputs=so),
+                              use_tqdm=False)
+        assert e.value.param == "structured_outputs"
+    monkeypatch.setattr(tiny_llm, "_check_constraints", lambda params: None)
+    for so in cases:
         out = tiny_llm.generate("x", SamplingParams(max_tokens=8, structured_outputs=so),
                                 use_tqdm=False)[0].outputs[0]
         assert out.finish_reason == "error" and out.token_ids == []

@@ -234,6 +234,29 @@ def test_a_constraint_nothing_can_continue_fails_saying_so(llm):
     assert ok.error is None and set(ok.text) <= {"a", "b"} and ok.text
 
 
+@pytest.mark.parametrize("so,match", [
+    (dict(json={"type": "nope"}), r"invalid JSON Schema at \$\.type"),
+    (dict(json={"type": "array", "items": {"type": "object"}, "uniqueItems": True, "not": {}}),
+     "unsupported JSON Schema keyword"),
+    (dict(regex="(a"), "parenthesis is not closed"),
+    (dict(grammar="root ::= undefined_rule"), "grammar"),
+])
+def test_an_unservable_constraint_raises_before_anything_runs(llm, so, match):
+    """As vLLM's LLM (and the server's 400): `generate` raises ValueError naming
+    structured_outputs and the reason, admits none of the call's prompts, and the
+    next call is served. It returned an empty output with finish_reason "error"."""
+    from formwork import StructuredOutputsParams
+
+    bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**so))
+    fine = SamplingParams(max_tokens=4, temperature=0)
+    with pytest.raises(ValueError, match=match) as e:
+        llm.generate([{"prompt_token_ids": _ids(6, 1)}] * 2, [fine, bad], use_tqdm=False)
+    assert e.value.param == "structured_outputs"
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate({"prompt_token_ids": _ids(6, 1)}, fine, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
 def test_vllm_structured_outputs_flags(llm):
     """vLLM's StructuredOutputsParams flags are taken offline: disable_any_whitespace
     gives compact JSON (no whitespace the schema does not ask for)."""
