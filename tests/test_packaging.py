@@ -103,6 +103,31 @@ def test_public_names():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+def test_vllms_module_paths():
+    """A vLLM script runs with only `vllm` renamed: `from vllm.sampling_params import
+    StructuredOutputsParams` (vLLM's documented import) and `from vllm.outputs import
+    RequestOutput` resolve to formwork's own classes; the first loads no torch."""
+    code = textwrap.dedent("""
+        import sys
+        from formwork.sampling_params import SamplingParams, StructuredOutputsParams
+        import formwork
+        assert SamplingParams is formwork.SamplingParams
+        assert StructuredOutputsParams is formwork.StructuredOutputsParams
+        assert "torch" not in sys.modules
+        from formwork.outputs import CompletionOutput, RequestOutput
+        import formwork.outputs as outputs
+        assert RequestOutput.__module__ == "formwork.gateway.output_processor"
+        assert outputs.CompletionOutput is CompletionOutput
+        try:
+            from formwork.outputs import NoSuchName
+        except ImportError:
+            print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-P", "-c", code], cwd="/", capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 def test_version_and_python_dash_m():
     """`formwork --version` and `python -m formwork` (the same command), from outside
     the checkout, say the installed version."""
