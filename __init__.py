@@ -19,8 +19,8 @@ from formwork.grammar import deferred_iri
 
 deferred_iri.defer()    # before anything imports jsonschema: ~1 s of every start
 
-import sys  # noqa: E402
-import types  # noqa: E402
+import sys as _sys  # noqa: E402
+import types as _types  # noqa: E402
 
 from formwork.schemas import sampling as _sampling  # noqa: E402
 from formwork.schemas.sampling import BeamSearchParams, SamplingParams  # noqa: E402
@@ -29,7 +29,7 @@ from formwork.schemas.structured import StructuredOutputsParams  # noqa: E402
 # vLLM's module paths, so that a vLLM script runs with only `vllm` renamed:
 # `from vllm.sampling_params import StructuredOutputsParams` (its documented import),
 # `from vllm.outputs import RequestOutput`. The outputs load on first use (torch).
-sampling_params = sys.modules.setdefault("formwork.sampling_params", _sampling)
+sampling_params = _sys.modules.setdefault("formwork.sampling_params", _sampling)
 
 
 def _outputs_getattr(name):
@@ -39,10 +39,10 @@ def _outputs_getattr(name):
     raise AttributeError(f"module 'formwork.outputs' has no attribute {name!r}")
 
 
-outputs = types.ModuleType("formwork.outputs", "vLLM's `vllm.outputs` path: RequestOutput, "
+outputs = _types.ModuleType("formwork.outputs", "vLLM's `vllm.outputs` path: RequestOutput, "
                            "CompletionOutput (from formwork.gateway.output_processor).")
 outputs.__getattr__ = _outputs_getattr
-outputs = sys.modules.setdefault("formwork.outputs", outputs)
+outputs = _sys.modules.setdefault("formwork.outputs", outputs)
 
 
 def __getattr__(name):
