@@ -63,7 +63,13 @@ def backend_format(node: dict, supported: frozenset[str], draft3: bool) -> dict:
     defined = SPEC_FORMATS | DRAFT3_FORMATS if draft3 else SPEC_FORMATS
     if fmt not in defined:
         rest = {k: v for k, v in node.items() if k != "format"}
-        return _integer_width(rest, INTEGER_WIDTHS[fmt]) if fmt in INTEGER_WIDTHS else rest
+        if fmt in INTEGER_WIDTHS:
+            return _integer_width(rest, INTEGER_WIDTHS[fmt])
+        if fmt in UUID_VERSIONS:
+            return _conjoin(rest, "pattern", UUID_VERSIONS[fmt]) if _is_string(rest) else rest
+        if fmt == "ipvanyaddress" and {"ipv4", "ipv6"} <= supported and _is_string(rest):
+            return _conjoin(rest, "anyOf", [{"format": "ipv4"}, {"format": "ipv6"}])
+        return rest
     if fmt in REFERENCE_FORMATS and "uri" in supported:
         rest = {k: v for k, v in node.items() if k != "format"}
         return _conjoin(rest, "anyOf", [{"format": "uri"}, {"pattern": RELATIVE_REF}])
@@ -75,6 +81,21 @@ def backend_format(node: dict, supported: frozenset[str], draft3: bool) -> dict:
 # validator). A model wrote 30 digits under `format: int64`, which a client's int64
 # field cannot hold; their ranges are generated instead (stricter, as valid).
 INTEGER_WIDTHS = {"int32": 31, "int64": 63}
+
+
+# pydantic's own names (annotations for a JSON Schema validator; its validators
+# check them): `UUID4` is {"format": "uuid4"}, `IPvAnyAddress` "ipvanyaddress". Left
+# as annotations, a walk wrote "({} expose" for an IPvAnyAddress field and any
+# string for a UUID4 one, which the client's model_validate_json then refused. Served
+# as what pydantic takes (stricter, as valid): an RFC 4122 UUID of that version (its
+# `version` is None for another variant), an IPv4 or IPv6 address.
+UUID_VERSIONS = {f"uuid{v}": (f"^[0-9a-fA-F]{{8}}-[0-9a-fA-F]{{4}}-{v}[0-9a-fA-F]{{3}}"
+                              f"-[89abAB][0-9a-fA-F]{{3}}-[0-9a-fA-F]{{12}}$")
+                 for v in range(1, 9)}
+
+
+def _is_string(node: dict) -> bool:
+    return node.get("type") == "string"
 
 
 def _integer_width(node: dict, bits: int) -> dict:
