@@ -23,7 +23,7 @@ import pytest
 import formwork.gateway.llm
 from formwork.gateway.extract import cli as extract_cli
 from formwork.gateway.extract.inputs import (Document, UsageError, collect_documents, decode_text,
-                                             load_schema)
+                                             load_schema, load_schema_and_model)
 from formwork.gateway.extract.records import judge, make_validator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -246,6 +246,42 @@ def test_judge_matches_jsonschema(text, finish, valid, error):
     assert rec["data"] == data
     if valid:
         jsonschema.validate(rec["data"], SCHEMA)
+
+
+PAGE_MODEL = '''from pydantic import BaseModel, Field, HttpUrl, field_validator
+
+
+class Page(BaseModel):
+    title: str = Field(max_length=30)
+    url: HttpUrl
+
+    @field_validator("title")
+    @classmethod
+    def capitalised(cls, v):
+        if not v[:1].isupper():
+            raise ValueError("must start with a capital letter")
+        return v
+'''
+
+
+@pytest.mark.parametrize("text, error", [
+    ('{"title": "Home", "url": "https://example.com/"}', None),
+    ('{"title": "Home", "url": "ftp://example.com/"}', "Page refused it at $.url: URL scheme"),
+    ('{"title": "home", "url": "https://example.com/"}',
+     "Page refused it at $.title: Value error, must start with a capital letter"),
+])
+def test_a_pydantic_schema_is_also_judged_by_its_model(tmp_path, text, error):
+    """--schema file.py:Model: the model's validators hold more than its JSON Schema
+    (HttpUrl's scheme, a field_validator); a record the schema passes but the model
+    refuses was "valid": true, and the user's Model.model_validate then failed."""
+    (tmp_path / "page_model.py").write_text(PAGE_MODEL)
+    schema, model = load_schema_and_model(f"{tmp_path}/page_model.py:Page")
+    assert model.__name__ == "Page" and schema == model.model_json_schema()
+    jsonschema.validate(json.loads(text), schema)                  # the schema alone passes
+    rec = judge(Document("d", "s", "t"), text, "stop", make_validator(schema, model), usage=(5, 3))
+    assert rec["valid"] is (error is None) and rec["data"] == json.loads(text)
+    assert (rec["error"] is None) if error is None else rec["error"].startswith(error), rec["error"]
+    assert load_schema_and_model(str(ROOT / "examples/schemas/contact.json"))[1] is None
 
 
 def test_judge_refuses_numbers_a_json_line_cannot_carry():

@@ -18,7 +18,8 @@ and in completion order with --server:
      "usage": {"prompt_tokens", "completion_tokens"}, "truncated"}
 `data` is the parsed output (null when it does not parse); `valid` is true only
 when the output finished normally, parses and validates against the schema
-(jsonschema). Invalid JSON, schema violations, outputs cut by --max-tokens,
+(jsonschema) and, for --schema file.py:Model, against the model itself
+(`Model.model_validate`: an HttpUrl's scheme, field validators). Invalid JSON, schema violations, outputs cut by --max-tokens,
 unreadable inputs and server errors are recorded with valid=false and an
 `error`; no document is dropped.
 
@@ -53,7 +54,7 @@ import time
 
 from formwork.gateway.engine_args import add_engine_arguments, engine_config
 from formwork.gateway.extract.inputs import (DEFAULT_GLOBS, Document, UsageError, collect_documents,
-                                             load_schema)
+                                             load_schema_and_model)
 from formwork.gateway.extract.offline import extract_offline
 from formwork.gateway.extract.prompt import DEFAULT_INSTRUCTIONS, ExtractOptions
 from formwork.gateway.extract.records import RecordSink, Summary, done_ids
@@ -108,7 +109,8 @@ def _prepare(args: argparse.Namespace) -> tuple[ExtractOptions, list[Document]]:
             raise UsageError(f"--{name.replace('_', '-')}: must be >= 1")
     if args.resume and not args.output:
         raise UsageError("--resume needs -o OUT.jsonl")
-    opts = ExtractOptions(schema=load_schema(args.schema), instructions=args.instructions,
+    schema, model = load_schema_and_model(args.schema)
+    opts = ExtractOptions(schema=schema, model=model, instructions=args.instructions,
                           max_tokens=args.max_tokens, temperature=args.temperature,
                           on_long=args.on_long)
     try:

@@ -13,6 +13,7 @@ import os
 import pathlib
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import jsonschema
 
@@ -38,21 +39,29 @@ class Document:
 def load_schema(spec: str) -> dict:
     """The JSON Schema named by `spec` (a .json file, `module:Model` or
     `path/file.py:Model`), checked; raises UsageError saying what is wrong."""
+    return load_schema_and_model(spec)[0]
+
+
+def load_schema_and_model(spec: str) -> tuple[dict, Any]:
+    """`load_schema`'s schema, and the pydantic model it came from (None for a JSON
+    file or a dict): records are then also checked with the model's own validators,
+    which hold more than its JSON Schema says (an HttpUrl's scheme, a field_validator)."""
+    model = None
     if os.path.isfile(spec):
         try:
             schema = json.loads(pathlib.Path(spec).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UsageError(f"--schema {spec}: not a readable JSON file: {e}") from None
     elif ":" in spec:
-        schema = _schema_from_python(spec)
+        schema, model = _schema_from_python(spec)
     else:
         raise UsageError(f"--schema {spec}: no such file (give a JSON Schema file, "
                          "module:Model or path/to/file.py:Model)")
     check_schema(schema, spec)
-    return schema
+    return schema, model
 
 
-def _schema_from_python(spec: str) -> dict:
+def _schema_from_python(spec: str) -> tuple[dict, Any]:
     target, _, attr = spec.rpartition(":")
     try:
         if target.endswith(".py"):
@@ -75,10 +84,10 @@ def _schema_from_python(spec: str) -> dict:
     except Exception as e:  # user code: any failure to import it is a usage error
         raise UsageError(f"--schema {spec}: cannot load it: {type(e).__name__}: {e}") from None
     if isinstance(obj, dict):
-        return obj
+        return obj, None
     if not hasattr(obj, "model_json_schema"):
         raise UsageError(f"--schema {spec}: {attr} is neither a pydantic model nor a dict")
-    return obj.model_json_schema()
+    return obj.model_json_schema(), obj
 
 
 def check_schema(schema, where: str = "schema") -> None:

@@ -16,7 +16,7 @@ def extract_offline(llm, docs: list[Document], opts: ExtractOptions, emit, *,
     an interrupted run leaves its finished records behind for --resume. Every
     document that is sent goes to `llm.chat` in one call, so the engine
     batches them continuously."""
-    validator, meter = make_validator(opts.schema), LocalMeter(llm.tokenizer)
+    validator, meter = make_validator(opts.schema, opts.model), LocalMeter(llm.tokenizer)
     convs, sent = [], []                    # sent[k]: (index in docs, truncated) of convs[k]
     for i, doc in enumerate(docs):
         prompt = (make_record(doc, error=doc.error) if doc.error

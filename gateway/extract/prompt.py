@@ -24,6 +24,7 @@ DEFAULT_INSTRUCTIONS = (
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExtractOptions:
     schema: dict
+    model: Any = None           # the pydantic model --schema named, if any (records.py)
     instructions: str = DEFAULT_INSTRUCTIONS
     max_tokens: int = 512
     temperature: float = 0.0

@@ -44,6 +44,8 @@ def judge(doc: Document, text: str, finish_reason: str | None, validator, *,
         best = None if error else jsonschema.exceptions.best_match(validator.iter_errors(data))
         if best is not None:
             error = f"schema violation at {best.json_path}: {best.message}"
+        elif error is None:
+            error = validator.model_error(data)
     if finish_reason == "length" and error is None:
         # budget-aware decoding closed it: complete and schema-valid, but what the
         # model would have written next (another item, a longer value) is missing
@@ -67,8 +69,36 @@ def _has_non_finite(value) -> bool:
     return False
 
 
-def make_validator(schema: dict):
-    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
+class RecordValidator:
+    """The schema's jsonschema validator and, when --schema named a pydantic model,
+    that model: a record is valid only when both accept it. A model holds more than
+    its JSON Schema says (an HttpUrl's http/https scheme, an IPv4Network's zero host
+    bits, a field_validator), and the user's next step is `Model.model_validate`."""
+
+    def __init__(self, schema: dict, model=None) -> None:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        self._schema, self.model = cls(schema), model
+
+    def iter_errors(self, data):
+        return self._schema.iter_errors(data)
+
+    def model_error(self, data) -> str | None:
+        if self.model is None:
+            return None
+        try:
+            self.model.model_validate(data)
+        except Exception as e:      # pydantic's ValidationError, or the user's own code's
+            errors = getattr(e, "errors", None)
+            first = errors()[0] if callable(errors) and errors() else None
+            where = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}"
+                                  for p in first["loc"]) if first else "$"
+            what = first["msg"] if first else f"{type(e).__name__}: {e}"
+            return f"{self.model.__name__} refused it at {where}: {what}"
+        return None
+
+
+def make_validator(schema: dict, model=None) -> RecordValidator:
+    return RecordValidator(schema, model)
 
 
 @dataclass(slots=True)

@@ -127,7 +127,7 @@ async def extract_server(docs: list[Document], opts: ExtractOptions, emit, *, ba
     time, and calls `emit(record)` as each one completes."""
     import openai
 
-    validator, fmt = make_validator(opts.schema), response_format(opts.schema)
+    validator, fmt = make_validator(opts.schema, opts.model), response_format(opts.schema)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with openai.AsyncOpenAI(base_url=api_base(base_url), api_key=api_key or "EMPTY",
                                   timeout=timeout_s) as client:
