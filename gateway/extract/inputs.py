@@ -90,6 +90,11 @@ def _schema_from_python(spec: str) -> tuple[dict, Any]:
     return obj.model_json_schema(), obj
 
 
+def json_path(parts) -> str:
+    """A location (keys and indices) as `$.a[0].b`."""
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
+
+
 def check_schema(schema, where: str = "schema") -> None:
     """Meta-schema check, then the engine's own check of what it can enforce."""
     if not isinstance(schema, dict):
@@ -99,7 +104,7 @@ def check_schema(schema, where: str = "schema") -> None:
     try:
         cls.check_schema(schema)
     except jsonschema.SchemaError as e:
-        at = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
+        at = json_path(e.absolute_path)
         raise UsageError(f"--schema {where}: invalid JSON Schema at {at}: {e.message}") from None
     try:
         validate_params(StructuredOutputsParams(json=schema))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import jsonschema
 
-from formwork.gateway.extract.inputs import Document
+from formwork.gateway.extract.inputs import Document, json_path
 
 
 def make_record(doc: Document, *, data=None, valid: bool = False, finish_reason=None,
@@ -88,10 +88,9 @@ class RecordValidator:
         try:
             self.model.model_validate(data)
         except Exception as e:      # pydantic's ValidationError, or the user's own code's
-            errors = getattr(e, "errors", None)
-            first = errors()[0] if callable(errors) and errors() else None
-            where = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}"
-                                  for p in first["loc"]) if first else "$"
+            errors = e.errors() if callable(getattr(e, "errors", None)) else []
+            first = errors[0] if errors else None
+            where = json_path(first["loc"]) if first else "$"
             what = first["msg"] if first else f"{type(e).__name__}: {e}"
             return f"{self.model.__name__} refused it at {where}: {what}"
         return None
