@@ -19,9 +19,9 @@ and in completion order with --server:
 `data` is the parsed output (null when it does not parse); `valid` is true only
 when the output finished normally, parses and validates against the schema
 (jsonschema) and, for --schema file.py:Model, against the model itself
-(`Model.model_validate`: an HttpUrl's scheme, field validators). Invalid JSON, schema violations, outputs cut by --max-tokens,
-unreadable inputs and server errors are recorded with valid=false and an
-`error`; no document is dropped.
+(`Model.model_validate`: an HttpUrl's scheme, field validators). Invalid JSON,
+schema violations, outputs cut by --max-tokens, unreadable inputs and server
+errors are recorded with valid=false and an `error`; no document is dropped.
 
 Long documents: when the prompt plus --max-tokens exceeds the model's context,
 the end of the document is cut so that it fits; a warning goes to stderr and
