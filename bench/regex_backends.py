@@ -10,7 +10,8 @@ the end is allowed or the masks of the walk took --cap-s seconds. Reports per
 backend: served, compile p50/p95/max, the slowest step of each walk (p50 / p95 /
 p99 / max over walks), walks with a step over 10 ms, walks stopped by the cap,
 walks failed by the matcher's time limits, and every output that does not match
-its regex (Python's `re`, anchors as a full match) -- the `auto` order for
+its regex (the server's output check: Python `re`'s reading, a full match; an
+output it could not check in time is not counted) -- the `auto` order for
 regexes rests on these figures (grammar/selection.py, README).
 
 The written regexes are the kinds users send (e-mail, URL, phone, dates, lists,
@@ -87,7 +88,9 @@ def generated(count: int, seed: int) -> list[str]:
 def walk(compiled, vocab, pattern: str, tokens: int, cap_s: float) -> dict:
     import torch
 
+    from formwork.gateway.output_check import check_output
     from formwork.grammar.backend import allocate_bitmask, allowed_mask
+    from formwork.schemas.structured import StructuredOutputsParams as P
 
     eos, size = vocab.eos_token_id, vocab.vocab_size
     rng = random.Random(pattern)
@@ -114,8 +117,13 @@ def walk(compiled, vocab, pattern: str, tokens: int, cap_s: float) -> dict:
             error = getattr(m, "error", "") or "a token its own mask allowed was refused"
             break
     text = b"".join(vocab.token_bytes[t] for t in kept).decode("utf-8", "replace")
-    # a walk cut before its end is a prefix: checked only when it ended by the mask
-    wrong = ended and error is None and re.fullmatch(pattern, text) is None
+    # a walk cut before its end is a prefix: checked only when it ended by the mask, by
+    # the server's own output check (Python `re`'s reading, matched under a timeout:
+    # `re` itself backtracks without bound on these patterns when a text does not match)
+    wrong = False
+    if ended and error is None:
+        verdict = check_output(P(regex=pattern), None, text, "stop", None)
+        wrong = verdict is not None and verdict.valid is False
     return {"slowest_ms": round(max(steps, default=0) * 1000, 2),
             "masks_ms": round(sum(steps) * 1000, 1), "steps": len(steps),
             "capped": capped, "error": error, "wrong": text if wrong else None}
