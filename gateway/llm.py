@@ -201,15 +201,18 @@ class LLM:
         400 (schema against its meta-schema, keywords some backend enforces, regex and
         grammar syntax, a finite output): a ValueError naming `structured_outputs`
         from `generate` itself, as vLLM's LLM raises, not an empty output whose
-        finish_reason is "error". Compiles nothing against the tokenizer."""
-        checked: set[int] = set()
+        finish_reason is "error". Compiles nothing against the tokenizer; equal
+        constraints (one per prompt, built alike) are checked once."""
+        checked: set[str] = set()
         for p in params:
             so = p.structured_outputs
-            if so is None or id(so) in checked:
+            if so is None:
                 continue
-            checked.add(id(so))
             try:
-                validate_params(so, self.config.structured_backend)
+                key = so.cache_key()
+                if key not in checked:
+                    validate_params(so, self.config.structured_backend)
+                    checked.add(key)
             except ParamError:
                 raise                               # names its field already
             except ValueError as err:

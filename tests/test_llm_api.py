@@ -257,6 +257,23 @@ def test_an_unservable_constraint_raises_before_anything_runs(llm, so, match):
     assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
+def test_equal_constraints_are_checked_once_per_call(llm, monkeypatch):
+    """One SamplingParams per prompt, each with its own equal constraint (as a loop
+    builds them): the pre-admission check runs once, not once per prompt."""
+    import formwork.gateway.llm as llm_module
+    from formwork import StructuredOutputsParams
+
+    calls = []
+    real = llm_module.validate_params
+    monkeypatch.setattr(llm_module, "validate_params",
+                        lambda *a: (calls.append(a), real(*a))[1])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    sps = [SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(json=dict(schema)))
+           for _ in range(6)]
+    llm.generate([{"prompt_token_ids": _ids(6, 1)}] * 6, sps, use_tqdm=False)
+    assert len(calls) == 1
+
+
 def test_vllm_structured_outputs_flags(llm):
     """vLLM's StructuredOutputsParams flags are taken offline: disable_any_whitespace
     gives compact JSON (no whitespace the schema does not ask for)."""
