@@ -43,6 +43,16 @@ def _response_format(req: ChatCompletionRequest | CompletionRequest) -> Structur
         return None
     if rf.type == "json_object":
         return StructuredOutputsParams(json_object=True)
+    if rf.type == "structural_tag":
+        if rf.format is not None:
+            tag = {"type": "structural_tag", "format": rf.format}
+        elif rf.structures is not None and rf.triggers is not None:
+            tag = {"type": "structural_tag", "structures": rf.structures, "triggers": rf.triggers}
+        else:
+            raise bad_request("response_format: type 'structural_tag' needs a 'format' (xgrammar's "
+                              "structural tag) or 'structures' and 'triggers'",
+                              param="response_format")
+        return StructuredOutputsParams(structural_tag=tag)
     if rf.json_schema is None or rf.json_schema.json_schema is None:
         raise bad_request("response_format.json_schema: a 'json_schema' object with a 'schema' "
                           "is required when type is 'json_schema'",
@@ -143,7 +153,9 @@ def structured_from_request(
     found = [(p, name) for p, name in ((fmt, "response_format"), (ext, "structured_outputs"))
              if p is not None]
     uses_tools = tools is not None and tools.kind != "none" and bool(tools.tools)
-    if uses_tools and ext is not None:
+    # a response_format is the final answer's format beside tools; a structural tag
+    # (free text with tagged segments) has no place beside the tools' own tag
+    if uses_tools and (ext is not None or (fmt is not None and fmt.kind() == "structural_tag")):
         found.append((None, "tools"))
     if len(found) > 1:
         names = " and ".join(name for _, name in found)

@@ -36,8 +36,13 @@ class JsonSchemaSpec(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaSpec | None = None
+    # vLLM's structural tags (type "structural_tag"): xgrammar's `format` object,
+    # or the older `structures` ([{"begin", "schema", "end"}]) with `triggers`
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class FunctionDefinition(RequestModel):

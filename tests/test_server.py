@@ -294,6 +294,37 @@ def test_json_object(client, model):
         assert isinstance(json.loads(s.choices[0].message.content), dict)
 
 
+def test_structural_tag_response_format(client, model):
+    """vLLM's response_format type "structural_tag" (xgrammar's format object): the
+    tagged segment is forced and its JSON validates; the older structures/triggers
+    spelling and a missing body are told apart."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    fmt = {"type": "triggered_tags", "triggers": ["<f"], "at_least_one": True,
+           "stop_after_first": True, "tags": [{"begin": "<f>", "end": "</f>", "content": {
+               "type": "json_schema", "json_schema": schema}}]}
+    ask = [{"role": "user", "content": "Call f with a=3 as <f>{json}</f>."}]
+    for stream in (False, True):
+        r = client.chat.completions.create(
+            model=model, messages=ask, temperature=0, max_tokens=60, stream=stream,
+            response_format={"type": "structural_tag", "format": fmt})
+        text = "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream \
+            else r.choices[0].message.content
+        found = re.search(r"<f>(.*?)</f>", text, re.S)
+        assert found, text
+        jsonschema.validate(json.loads(found.group(1)), schema)
+    legacy = {"type": "structural_tag", "triggers": ["<f"],
+              "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}]}
+    r = client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=30,
+                                       response_format=legacy)
+    for segment in re.findall(r"<f>(.*?)</f>", r.choices[0].message.content, re.S):
+        jsonschema.validate(json.loads(segment), schema)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ask, max_tokens=5,
+                                       response_format={"type": "structural_tag"})
+    assert e.value.body["param"] == "response_format"
+
+
 def test_regex_choice_grammar_via_extra_body(client, model):
     ask = [{"role": "user", "content": "Name a city and its population in thousands."}]
     regex = r"[A-Z][a-z]{2,9}, [0-9]{1,4}"

@@ -86,6 +86,35 @@ def test_response_format_kinds():
     assert e.value.param == "response_format.json_schema"
 
 
+def test_response_format_structural_tag_maps_to_vllms_constraint():
+    fmt = {"type": "triggered_tags", "triggers": ["<f"], "tags": [
+        {"begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "object"}},
+         "end": "</f>"}]}
+    s, src = structured_from_request(chat(response_format={"type": "structural_tag",
+                                                           "format": fmt}))
+    assert src == "response_format" and s.structural_tag == {"type": "structural_tag",
+                                                             "format": fmt}
+    legacy = {"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}]}
+    s, _ = structured_from_request(chat(response_format={"type": "structural_tag", **legacy}))
+    assert s.structural_tag == {"type": "structural_tag", **legacy}
+    s, _ = structured_from_request(CompletionRequest(prompt="x", response_format={
+        "type": "structural_tag", "format": fmt}))
+    assert s.structural_tag["format"] == fmt
+    for rf in ({"type": "structural_tag"}, {"type": "structural_tag", "triggers": ["<f"]}):
+        with pytest.raises(APIError) as e:
+            structured_from_request(chat(response_format=rf))
+        assert e.value.status == 400 and e.value.param == "response_format"
+    # free text with tagged segments is not a final answer's format beside tools
+    req = chat(response_format={"type": "structural_tag", "format": fmt}, tools=[WEATHER])
+    with pytest.raises(APIError) as e:
+        structured_from_request(req, resolve_tool_mode(req))
+    assert e.value.param == "tools" and "only one output constraint" in e.value.message
+    req = chat(response_format={"type": "structural_tag", "format": fmt}, tools=[WEATHER],
+               tool_choice="none")
+    s, src = structured_from_request(req, resolve_tool_mode(req))
+    assert src == "response_format" and s.kind() == "structural_tag"
+
+
 def test_structured_outputs_extension_and_aliases():
     s, src = structured_from_request(chat(structured_outputs={"regex": "[a-z]+"}))
     assert s.regex == "[a-z]+" and src == "structured_outputs"
