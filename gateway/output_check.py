@@ -85,11 +85,17 @@ class Verdict:
         return OutputCheck(valid=self.valid, error=self.error)
 
 
+# extension fields of a choice that are left out of the JSON when null: `formwork`
+# (unconstrained), vLLM's token ids (return_token_ids not asked for)
+_UNSET_KEYS = ("formwork", "token_ids", "prompt_token_ids")
+
+
 def drop_unset(choices: list[dict]) -> list[dict]:
-    """Choices as JSON without a `formwork` key where it is null (unconstrained)."""
+    """Choices as JSON without the extension keys that are null (_UNSET_KEYS)."""
     for c in choices:
-        if c.get("formwork", 0) is None:
-            del c["formwork"]
+        for key in _UNSET_KEYS:
+            if c.get(key, 0) is None:
+                del c[key]
     return choices
 
 

@@ -45,6 +45,7 @@ class PreparedChat:
     source: str | None       # request field of the output constraint, if any
     token_ids_as_names: bool = False    # return_tokens_as_token_ids
     reasoning: str | None = None        # the reasoning parser, where it applies
+    token_ids: bool = False             # return_token_ids
 
 
 def _texts(content) -> list[str]:
@@ -112,7 +113,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     check_max_logprobs(params, state.options.max_logprobs, "top_logprobs")
     return PreparedChat(model, prompt, ids, params, mode, source,
                         req.return_tokens_as_token_ids or state.options.return_tokens_as_token_ids,
-                        _reasoning(state, req, mode, prompt, params))
+                        _reasoning(state, req, mode, prompt, params), req.return_token_ids)
 
 
 def _reasoning(state: ServerState, req: ChatCompletionRequest, mode: ToolMode, prompt: str,
@@ -221,6 +222,7 @@ def _choice(c: CompletionOutput, prep: PreparedChat, text: TokenText,
                       finish_reason=finish_reason_with_tools(c.finish_reason, len(calls), mode,
                                                              c.stop_reason),
                       stop_reason=c.stop_reason,
+                      token_ids=list(c.token_ids) if prep.token_ids else None,
                       formwork=verdict.field() if verdict is not None else None)
 
 
@@ -248,9 +250,18 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     resp = ChatCompletionResponse(id=request_id, model=prep.model, choices=choices,
                                   usage=_usage(state, prep, final),
                                   prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs))
+    return JSONResponse(_response_json(resp, prep))
+
+
+def _response_json(resp: ChatCompletionResponse, prep: PreparedChat) -> dict:
+    """The response as JSON; vLLM's prompt_token_ids where return_token_ids asks, and
+    no null extension keys."""
+    if prep.token_ids:
+        resp.prompt_token_ids = list(prep.prompt_ids)
     data = resp.model_dump(mode="json")
     drop_unset(data["choices"])
-    return JSONResponse(data)
+    drop_unset([data])
+    return data
 
 
 async def _beam_chat(state: ServerState, req: ChatCompletionRequest, prep: PreparedChat,
@@ -261,28 +272,30 @@ async def _beam_chat(state: ServerState, req: ChatCompletionRequest, prep: Prepa
         ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0,
         length_penalty=req.length_penalty), raw)
     choices = [ChatChoice(index=j, message=ResponseMessage(content=seq.text),
-                          finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                          finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                          token_ids=list(seq.generated) if prep.token_ids else None)
                for j, seq in enumerate(out.sequences)]
     done = sum(len(seq.generated) for seq in out.sequences)
     resp = ChatCompletionResponse(id=request_id, model=prep.model, choices=choices,
                                   usage=UsageInfo(prompt_tokens=len(prep.prompt_ids),
                                                   completion_tokens=done,
                                                   total_tokens=len(prep.prompt_ids) + done))
-    data = resp.model_dump(mode="json")
-    drop_unset(data["choices"])
-    return JSONResponse(data)
+    return JSONResponse(_response_json(resp, prep))
 
 
 def _chunk(request_id: str, created: int, model: str, choice: ChatStreamChoice | None,
-           include_usage: bool, usage: UsageInfo | None = None) -> str:
+           include_usage: bool, usage: UsageInfo | None = None,
+           prompt_ids: list[int] | None = None) -> str:
     chunk = ChatCompletionChunk(id=request_id, created=created, model=model,
-                                choices=[choice] if choice is not None else [], usage=usage)
+                                choices=[choice] if choice is not None else [], usage=usage,
+                                prompt_token_ids=prompt_ids)
     data = chunk.model_dump(mode="json")
     for c, model_choice in zip(data["choices"], chunk.choices):
         c["delta"] = model_choice.delta.model_dump(mode="json", exclude_none=True)
         if model_choice.logprobs is None:
             c["logprobs"] = None
     drop_unset(data["choices"])
+    drop_unset([data])
     if not include_usage:
         data.pop("usage")
     return sse(data)
@@ -306,7 +319,7 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
     for i in range(prep.params.n):
         yield _chunk(request_id, created, model, ChatStreamChoice(
             index=i, delta=DeltaMessage(role="assistant", content="")), include_usage,
-            so_far(0))
+            so_far(0), list(prep.prompt_ids) if prep.token_ids and i == 0 else None)
     last: RequestOutput | None = None
     sent_final = [False] * prep.params.n
     try:
@@ -320,7 +333,7 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
                     verdict = (output_verdict(prep, c, state.metrics)
                                if c.finish_reason is not None else None)
                     for piece in _choice_chunks(c, parsers[c.index], text, verdict,
-                                                thinkers[c.index]):
+                                                thinkers[c.index], prep.token_ids):
                         yield _chunk(request_id, created, model, piece, include_usage,
                                      so_far(len(c.token_ids)))
                     sent_final[c.index] = c.finish_reason is not None
@@ -335,9 +348,13 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
 
 def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser, text: TokenText,
                    verdict: Verdict | None = None,
-                   thinker: ReasoningSplitter | None = None) -> list[ChatStreamChoice]:
+                   thinker: ReasoningSplitter | None = None,
+                   token_ids: bool = False) -> list[ChatStreamChoice]:
     """The chunks of one completion's delta: reasoning / content / tool calls, then the
-    finish chunk (carrying the `formwork` verdict of a constrained choice)."""
+    finish chunk (carrying the `formwork` verdict of a constrained choice). With
+    `token_ids` (return_token_ids) the first of them carries the delta's new token ids,
+    in a chunk of its own where the delta shows nothing yet (text held back, a tool
+    call still being parsed), so that the streamed ids add up to the output's."""
     thinking, body = ("", c.delta_text) if thinker is None else \
         thinker.step(c.delta_text, c.finish_reason is not None)
     content, calls = parser.feed(body)
@@ -356,4 +373,8 @@ def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser, text: TokenTex
                                           c.stop_reason)
         pieces.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
                                        formwork=verdict.field() if verdict else None))
+    if token_ids and c.delta_token_ids:
+        if not pieces:
+            pieces.append(ChatStreamChoice(index=c.index, delta=DeltaMessage()))
+        pieces[0].token_ids = list(c.delta_token_ids)
     return pieces

@@ -47,6 +47,7 @@ class PreparedCompletion:
     logprobs: int | None = None                       # as asked (the engine may compute more)
     show_prompt_logprobs: bool = False                # `prompt_logprobs` field in the choices
     token_ids_as_names: bool = False                  # return_tokens_as_token_ids
+    token_ids: bool = False                           # return_token_ids
 
 
 def _prompts(tokenizer, state: ServerState, prompt,
@@ -123,7 +124,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     return PreparedCompletion(model, prompts, params, source, req.n, best_of, req.echo,
                               req.logprobs, shown_plp is not None,
                               req.return_tokens_as_token_ids
-                              or state.options.return_tokens_as_token_ids)
+                              or state.options.return_tokens_as_token_ids, req.return_token_ids)
 
 
 def _usage(prep: PreparedCompletion, finals: list[RequestOutput]) -> UsageInfo:
@@ -164,6 +165,8 @@ def _choices(prep: PreparedCompletion, i: int, ro: RequestOutput,
         choices.append(CompletionChoice(
             index=i * prep.n + j, text=prefix + c.text, logprobs=lp,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=plp_field,
+            token_ids=list(c.token_ids) if prep.token_ids else None,
+            prompt_token_ids=list(prompt_ids) if prep.token_ids else None,
             formwork=_verdict_field(prep, i, c, metrics)))
     return choices
 
@@ -206,7 +209,10 @@ async def _beam_completion(state: ServerState, req: CompletionRequest, prep: Pre
             for i, (_, ids) in enumerate(prep.prompts)]
     results = await run_until_disconnect(asyncio.gather(*runs), raw)
     choices = [CompletionChoice(index=i * req.n + j, text=seq.text,
-                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                token_ids=list(seq.generated) if prep.token_ids else None,
+                                prompt_token_ids=list(prep.prompts[i][1]) if prep.token_ids
+                                else None)
                for i, out in enumerate(results) for j, seq in enumerate(out.sequences)]
     prompt = sum(len(ids) for _, ids in prep.prompts)
     done = sum(len(seq.generated) for out in results for seq in out.sequences)
@@ -259,6 +265,7 @@ class _ChoiceDeltas:
         self.state, self.prep, self.echo = state, prep, echo
         self.text = TokenText(state.tokenizer, prep.token_ids_as_names)
         self.echoed: set[int] = set()
+        self.started: set[int] = set()      # choices whose first chunk was sent
         self.offsets: dict[int, int] = {}
 
     def choice(self, i: int, ro: RequestOutput, c) -> dict | None:
@@ -279,6 +286,11 @@ class _ChoiceDeltas:
         choice = {"index": idx, "text": delta,
                   "logprobs": lp.model_dump(mode="json") if lp else None,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if prep.token_ids:              # vLLM's: the prompt's ids in a choice's first chunk
+            if idx not in self.started:
+                choice["prompt_token_ids"] = list(prep.prompts[i][1])
+            choice["token_ids"] = list(c.delta_token_ids)
+        self.started.add(idx)
         if c.finish_reason is not None and \
                 (check := _verdict_field(prep, i, c, self.state.metrics)) is not None:
             choice["formwork"] = check.model_dump(mode="json")

@@ -159,6 +159,9 @@ class _SamplingFields(RequestModel):
     # vLLM's: logprobs name each token "token_id:<id>" (for tokens whose text is not
     # valid UTF-8 on its own); the text offsets stay those of the decoded text
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the response carries the prompt's token ids and each choice's output ids
+    # (streamed: the prompt's in the first chunk, then each chunk's new ids)
+    return_token_ids: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -302,6 +305,7 @@ class ChatChoice(ResponseModel):
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None          # return_token_ids; left out when None
     formwork: OutputCheck | None = None        # left out of the JSON when None
 
 
@@ -314,6 +318,7 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobsField = None
+    prompt_token_ids: list[int] | None = None   # return_token_ids; left out when None
 
 
 class DeltaFunctionCall(ResponseModel):
@@ -341,6 +346,7 @@ class ChatStreamChoice(ResponseModel):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None          # return_token_ids: this chunk's new ids
     formwork: OutputCheck | None = None        # on the finish chunk of a constrained choice
 
 
@@ -352,6 +358,7 @@ class ChatCompletionChunk(ResponseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None   # return_token_ids: in the first chunk
 
 
 class CompletionLogprobs(ResponseModel):
@@ -368,6 +375,8 @@ class CompletionChoice(ResponseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsField = None
+    token_ids: list[int] | None = None          # return_token_ids (vLLM: per choice, as the
+    prompt_token_ids: list[int] | None = None   # prompt may differ); left out when None
     formwork: OutputCheck | None = None        # left out of the JSON when None
 
 

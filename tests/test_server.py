@@ -164,6 +164,38 @@ def test_chat_plain_usage_matches_template(client, model, tokenizer):
     assert "Paris" in c.message.content
 
 
+def test_return_token_ids_chat(server, tokenizer):
+    """vLLM's return_token_ids: the templated prompt's ids and each choice's output ids
+    (eos included, as usage counts it); streamed, the prompt's in the first chunk and
+    the new ids per chunk, adding up to the non-streamed ids, also where a chunk shows
+    no text (a tool call being parsed, a constrained output); absent unless asked."""
+    want = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True)
+    want = want if isinstance(want, list) else want["input_ids"]
+    body = {"model": "SmolLM2-135M-Instruct", "messages": ASK, "temperature": 0, "max_tokens": 12, "n": 2,
+            "return_token_ids": True}
+    r = _post(server, body).json()
+    assert r["prompt_token_ids"] == want
+    for c in r["choices"]:
+        assert len(c["token_ids"]) <= 12 and c["message"]["content"] == tokenizer.decode(
+            c["token_ids"], skip_special_tokens=True)
+    assert r["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in r["choices"])
+    plain = _post(server, {**body, "return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"]}}}
+    for extra in ({"tools": [tool], "tool_choice": "required"},
+                  {"response_format": {"type": "json_object"}}, {}):
+        one = {**body, "n": 1, "max_tokens": 24, **extra}
+        whole = _post(server, one).json()
+        events = [json.loads(line[6:]) for line in _post(server, {**one, "stream": True}).text
+                  .splitlines() if line.startswith("data: {")]
+        assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+        assert all("prompt_token_ids" not in e for e in events[1:])
+        streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+        assert streamed == whole["choices"][0]["token_ids"], extra
+
+
 def test_stream_equals_non_stream_and_format(client, model, server):
     kw = dict(model=model, messages=ASK, temperature=0, max_tokens=16)
     whole = client.chat.completions.create(**kw)
@@ -227,6 +259,27 @@ def test_constrained_logprobs_are_finite_json(server, stream):
     assert text in ("yes", "no") and entries
     for e in entries:
         assert len(e["top_logprobs"]) == 5 and all(t["logprob"] <= 0 for t in e["top_logprobs"])
+
+
+def test_return_token_ids_completions(server, tokenizer):
+    """Per choice (each has its own prompt): the prompt's ids and the output's; streamed,
+    the prompt's ids in each choice's first chunk and the new ids per chunk."""
+    prompts = ["The capital of France is", "One, two,"]
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompts, "temperature": 0, "max_tokens": 6,
+            "return_token_ids": True}
+    whole = _post(server, body, path="/v1/completions").json()
+    for c in whole["choices"]:
+        assert c["prompt_token_ids"] == tokenizer(prompts[c["index"]]).input_ids
+        assert c["text"] == tokenizer.decode(c["token_ids"], skip_special_tokens=True)
+    events = [json.loads(line[6:]) for line in _post(server, {**body, "stream": True},
+              path="/v1/completions").text.splitlines() if line.startswith("data: {")]
+    for c in whole["choices"]:
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == c["index"]]
+        assert mine[0]["prompt_token_ids"] == c["prompt_token_ids"]
+        assert all("prompt_token_ids" not in m for m in mine[1:])
+        assert [t for m in mine for t in m["token_ids"]] == c["token_ids"]
+    plain = _post(server, {**body, "return_token_ids": False}, path="/v1/completions").json()
+    assert "token_ids" not in plain["choices"][0]
 
 
 def test_completions_endpoint(client, model):
