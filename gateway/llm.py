@@ -131,7 +131,8 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
-            return prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids
+            # the tokenizer's special tokens (a Llama-3 or Mistral BOS), as vLLM's generate
+            return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = list(prompt["prompt_token_ids"])
             if not ids:

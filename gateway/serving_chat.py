@@ -95,7 +95,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     prompt, ids = await state.run_tokenizer(
         build_chat_prompt, req.messages, mode, template_kwargs(state, req),
         add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message, chat_template=req.chat_template)
+        continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+        add_special_tokens=req.add_special_tokens)
     kept = truncated_prompt(ids, req.truncate_prompt_tokens, state.max_model_len)
     if len(kept) < len(ids):
         ids = kept

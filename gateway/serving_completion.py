@@ -50,10 +50,11 @@ class PreparedCompletion:
     token_ids: bool = False                           # return_token_ids
 
 
-def _prompts(tokenizer, state: ServerState, prompt,
-             truncate: int | None = None) -> list[tuple[str | None, list[int]]]:
+def _prompts(tokenizer, state: ServerState, prompt, truncate: int | None = None,
+             add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
     """Runs on a tokenizer worker thread (state.run_tokenizer): `tokenizer` is its own.
-    `truncate`: vLLM's truncate_prompt_tokens (a cut prompt's text is its kept tokens')."""
+    `truncate`: vLLM's truncate_prompt_tokens (a cut prompt's text is its kept tokens');
+    `add_special_tokens`: the tokenizer's BOS on text prompts, as vLLM's default."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -65,7 +66,7 @@ def _prompts(tokenizer, state: ServerState, prompt,
         if isinstance(p, str):
             if truncate is None:       # a truncated prompt may be longer (the body limit holds)
                 check_text_fits([p], state.max_model_len, state.max_token_chars, "prompt")
-            ids = tokenizer(p, add_special_tokens=False).input_ids
+            ids = tokenizer(p, add_special_tokens=add_special_tokens).input_ids
             out.append((p, list(ids)))
         else:
             bad = next((t for t in p if not 0 <= t < len(tokenizer)), None)
@@ -107,7 +108,8 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     if structured is not None:
         await check_constraint(state.constraints, structured, source,
                                 state.engine.config.structured_backend)
-    prompts = await state.run_tokenizer(_prompts, state, req.prompt, req.truncate_prompt_tokens)
+    prompts = await state.run_tokenizer(_prompts, state, req.prompt, req.truncate_prompt_tokens,
+                                        req.add_special_tokens)
     params = [sampling_params(req, max_tokens=context_max_tokens(
                   len(ids), req.max_tokens, state.max_model_len, "prompt",
                   state.default_sampling.get("max_tokens")),

@@ -216,6 +216,9 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: no new assistant turn / continue the last (assistant) message instead
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the tokenizer's special tokens (BOS) on top of the template's own; off, as
+    # the template writes them
+    add_special_tokens: bool = False
 
 
 # What the server takes as a prompt (gateway/serving_completion.py refuses the
@@ -234,6 +237,10 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    # vLLM's: a text prompt is tokenized with the tokenizer's special tokens (the BOS
+    # of Llama-3 or Mistral tokenizers), as vLLM and transformers do by default; token
+    # id prompts are taken as they are
+    add_special_tokens: bool = True
     # at least n (not expressible in JSON Schema: checked by the server)
     best_of: int | None = Field(default=None, json_schema_extra={"minimum": 1, "maximum": MAX_N})
 
