@@ -70,9 +70,11 @@ def longest_token_chars(tokenizer) -> int:
     return max(1, max(len(t) for t in tokenizer.batch_decode([[i] for i in range(n)])))
 
 
-def truncated_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: the last k prompt tokens (-1: max_model_len);
-    400 naming the field for 0, below -1 or above max_model_len."""
+def truncated_prompt(ids: list[int], k: int | None, max_model_len: int,
+                     side: str | None = None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the last k prompt tokens (-1: max_model_len),
+    the first k with `side` (truncation_side) "right"; 400 naming the field for 0,
+    below -1 or above max_model_len."""
     if k is None:
         return ids
     if k == -1:
@@ -80,7 +82,7 @@ def truncated_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[
     if k < 1 or k > max_model_len:
         raise APIError(400, f"truncate_prompt_tokens: must be -1 (the context length) or in "
                             f"[1, {max_model_len}], got {k}", param="truncate_prompt_tokens")
-    return ids[-k:]
+    return ids[:k] if side == "right" else ids[-k:]
 
 
 def check_text_fits(texts: Iterable[str], max_model_len: int, max_token_chars: int,

@@ -46,6 +46,7 @@ class PreparedChat:
     token_ids_as_names: bool = False    # return_tokens_as_token_ids
     reasoning: str | None = None        # the reasoning parser, where it applies
     token_ids: bool = False             # return_token_ids
+    include_reasoning: bool = True      # false: the thinking is left out of the answer
 
 
 def _texts(content) -> list[str]:
@@ -97,7 +98,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
         add_special_tokens=req.add_special_tokens)
-    kept = truncated_prompt(ids, req.truncate_prompt_tokens, state.max_model_len)
+    kept = truncated_prompt(ids, req.truncate_prompt_tokens, state.max_model_len,
+                            req.truncation_side)
     if len(kept) < len(ids):
         ids = kept
         prompt = await state.run_tokenizer(lambda tok: tok.decode(kept, skip_special_tokens=False))
@@ -114,7 +116,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     check_max_logprobs(params, state.options.max_logprobs, "top_logprobs")
     return PreparedChat(model, prompt, ids, params, mode, source,
                         req.return_tokens_as_token_ids or state.options.return_tokens_as_token_ids,
-                        _reasoning(state, req, mode, prompt, params), req.return_token_ids)
+                        _reasoning(state, req, mode, prompt, params), req.return_token_ids,
+                        req.include_reasoning)
 
 
 def _reasoning(state: ServerState, req: ChatCompletionRequest, mode: ToolMode, prompt: str,
@@ -213,6 +216,7 @@ def _choice(c: CompletionOutput, prep: PreparedChat, text: TokenText,
             verdict: Verdict | None = None) -> ChatChoice:
     mode = prep.mode
     thinking, body = split_thinking(prep, c.text)
+    thinking = thinking if prep.include_reasoning else None
     content, calls = parse_tool_output(mode, body or "")
     if body is None and not calls:
         content = None
@@ -334,7 +338,8 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
                     verdict = (output_verdict(prep, c, state.metrics)
                                if c.finish_reason is not None else None)
                     for piece in _choice_chunks(c, parsers[c.index], text, verdict,
-                                                thinkers[c.index], prep.token_ids):
+                                                thinkers[c.index], prep.token_ids,
+                                                prep.include_reasoning):
                         yield _chunk(request_id, created, model, piece, include_usage,
                                      so_far(len(c.token_ids)))
                     sent_final[c.index] = c.finish_reason is not None
@@ -350,7 +355,8 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
 def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser, text: TokenText,
                    verdict: Verdict | None = None,
                    thinker: ReasoningSplitter | None = None,
-                   token_ids: bool = False) -> list[ChatStreamChoice]:
+                   token_ids: bool = False,
+                   include_reasoning: bool = True) -> list[ChatStreamChoice]:
     """The chunks of one completion's delta: reasoning / content / tool calls, then the
     finish chunk (carrying the `formwork` verdict of a constrained choice). With
     `token_ids` (return_token_ids) the first of them carries the delta's new token ids,
@@ -358,6 +364,7 @@ def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser, text: TokenTex
     call still being parsed), so that the streamed ids add up to the output's."""
     thinking, body = ("", c.delta_text) if thinker is None else \
         thinker.step(c.delta_text, c.finish_reason is not None)
+    thinking = thinking if include_reasoning else ""
     content, calls = parser.feed(body)
     if c.finish_reason is not None:
         tail_content, tail_calls = parser.finish()

@@ -51,7 +51,8 @@ class PreparedCompletion:
 
 
 def _prompts(tokenizer, state: ServerState, prompt, truncate: int | None = None,
-             add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
+             add_special_tokens: bool = True,
+             side: str | None = None) -> list[tuple[str | None, list[int]]]:
     """Runs on a tokenizer worker thread (state.run_tokenizer): `tokenizer` is its own.
     `truncate`: vLLM's truncate_prompt_tokens (a cut prompt's text is its kept tokens');
     `add_special_tokens`: the tokenizer's BOS on text prompts, as vLLM's default."""
@@ -75,7 +76,7 @@ def _prompts(tokenizer, state: ServerState, prompt, truncate: int | None = None,
             out.append((tokenizer.decode(p), list(p)))
         if not out[-1][1]:
             raise bad_request("prompt: must not be empty", param="prompt")
-        kept = truncated_prompt(out[-1][1], truncate, state.max_model_len)
+        kept = truncated_prompt(out[-1][1], truncate, state.max_model_len, side)
         if len(kept) < len(out[-1][1]):
             out[-1] = (tokenizer.decode(kept), kept)
     return out
@@ -109,7 +110,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
         await check_constraint(state.constraints, structured, source,
                                 state.engine.config.structured_backend)
     prompts = await state.run_tokenizer(_prompts, state, req.prompt, req.truncate_prompt_tokens,
-                                        req.add_special_tokens)
+                                        req.add_special_tokens, req.truncation_side)
     params = [sampling_params(req, max_tokens=context_max_tokens(
                   len(ids), req.max_tokens, state.max_model_len, "prompt",
                   state.default_sampling.get("max_tokens")),

@@ -115,6 +115,11 @@ _UNSERVED = {
     "logits_processors": "custom logits processors are not served",
     "prompt_embeds": "prompt embeddings are not served; send text or token ids",
     "mm_processor_kwargs": "multimodal inputs are not served",
+    "logprob_token_ids": "logprobs of chosen token ids are not served; use logprobs / "
+                         "top_logprobs",
+    "repetition_detection": "repetition detection is not served",
+    "thinking_token_budget": "a thinking budget is not served (-1, unlimited, is)",
+    "watermarking": "watermarking is not served",
 }
 _UNSERVED_CHAT = {
     "echo": "not served on chat completions (/v1/completions takes echo)",
@@ -125,7 +130,9 @@ _UNSERVED_CHAT = {
 def _refuse_unserved(data: Any, table: dict[str, str]) -> None:
     if isinstance(data, dict):
         for name, why in table.items():
-            if data.get(name) not in (None, False, [], {}, ""):
+            value = data.get(name)
+            if value not in (None, False, [], {}, "") and \
+                    not (name == "thinking_token_budget" and value == -1):
                 raise ParamError(name, why)
 
 
@@ -186,6 +193,9 @@ class _SamplingFields(RequestModel):
     prompt_logprobs: int | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: max_model_len); 0 is refused
     truncate_prompt_tokens: int | None = Field(default=None, json_schema_extra={"minimum": -1})
+    # vLLM's: which end truncate_prompt_tokens cuts ("left", the default: keep the last
+    # tokens; "right": keep the first)
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's: prefix-cache blocks are shared only among requests with the same salt
     cache_salt: str | None = Field(default=None, json_schema_extra={"minLength": 1})
     user: str | None = None
@@ -210,7 +220,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's: reaches the chat template as `reasoning_effort` (templates of models
     # with an effort setting read it; others ignore it), as vLLM passes it
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # vLLM's: false leaves the thinking out of the answer (it is still generated)
+    include_reasoning: bool = True
     # vLLM's: the request's own template, under --trust-request-chat-template only
     chat_template: str | None = None
     # vLLM's: no new assistant turn / continue the last (assistant) message instead

@@ -621,6 +621,12 @@ ERROR_CASES = [  # (body, status, param, code, words that must appear in the mes
     (_chat(allowed_token_ids=[5, 6], logit_bias={"5": -100, "6": -100}), 400,
      "allowed_token_ids", None, ["logit_bias bans every token"]),
     (_chat(echo=True), 400, "echo", None, ["/v1/completions"]),
+    (_chat(logprob_token_ids=[5]), 400, "logprob_token_ids", None, ["top_logprobs"]),
+    (_chat(repetition_detection={"min_pattern_len": 2}), 400, "repetition_detection", None,
+     ["not served"]),
+    (_chat(thinking_token_budget=10), 400, "thinking_token_budget", None, ["not served"]),
+    (_chat(watermarking=True), 400, "watermarking", None, ["not served"]),
+    (_chat(truncation_side="middle"), 400, "truncation_side", None, ["left"]),
     (_chat(chat_template="{{ messages }}"), 400, "chat_template", None, ["template"]),
     (_chat(truncate_prompt_tokens=0), 400, "truncate_prompt_tokens", None, ["1024"]),
     (_chat(truncate_prompt_tokens=5000), 400, "truncate_prompt_tokens", None, ["1024"]),
@@ -741,6 +747,18 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, model, tokenizer):
     r = client.chat.completions.create(model=model, messages=ASK, max_tokens=1,
                                        extra_body={"truncate_prompt_tokens": 5})
     assert r.usage.prompt_tokens == 5
+    # vLLM's truncation_side "right": the first k instead
+    r = client.completions.create(model=model, prompt=text, max_tokens=1, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 3,
+                                              "truncation_side": "right"})
+    assert r.usage.prompt_tokens == 3
+    assert r.choices[0].text.startswith(tokenizer.decode(ids[:3]))
+    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=1, extra_body={
+        "truncate_prompt_tokens": 5, "truncation_side": "right", "return_token_ids": True,
+        "thinking_token_budget": -1})          # -1 is vLLM's "unlimited": served
+    full = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True)
+    full = full if isinstance(full, list) else full["input_ids"]
+    assert r.model_extra["prompt_token_ids"] == full[:5]
 
 
 def test_cache_salt_isolates_prefix_cache_hits(client, model):
@@ -890,6 +908,18 @@ def test_reasoning_parser_splits_thinking_from_content(server, client, model, to
             content.append(c.delta.content or "")
             names += [t.token for t in (c.logprobs.content if c.logprobs else None) or ()]
     assert ("".join(reasoning) or None, "".join(content) or None) == expected(names)
+    if tools:
+        return
+    # vLLM's include_reasoning false: the same answer, without its thinking
+    body["extra_body"] = {**body["extra_body"], "include_reasoning": False}
+    hidden = client.chat.completions.create(**body).choices[0]
+    want = expected([t.token for t in hidden.logprobs.content])[1]
+    assert getattr(hidden.message, "reasoning", None) is None and hidden.message.content == want
+    assert "reasoning_content" not in (hidden.message.model_extra or {})
+    chunks = [c for chunk in client.chat.completions.create(stream=True, **body)
+              for c in chunk.choices]
+    assert not any(getattr(c.delta, "reasoning", None) for c in chunks)
+    assert ("".join(c.delta.content or "" for c in chunks) or None) == want
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
