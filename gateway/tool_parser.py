@@ -48,11 +48,9 @@ def _call_from_json(text: str) -> ToolCall | None:
 def parse_tool_output(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
     """Split a finished output into (content, tool calls). Unparseable calls stay content."""
     if mode.kind == "named":
-        try:
-            args = _compact(_loads(text))
-        except json.JSONDecodeError:
-            args = text  # cut by max_tokens: hand back what was generated
-        return None, [ToolCall(function=FunctionCall(name=mode.name, arguments=args))]
+        # the arguments as generated (as vLLM's): the same text a stream sends piece by
+        # piece, also where max_tokens cut it
+        return None, [ToolCall(function=FunctionCall(name=mode.name, arguments=text))]
     if mode.kind == "required":
         try:
             obj = _loads(text)
