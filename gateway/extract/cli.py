@@ -12,8 +12,9 @@ default), every document goes to the in-process engine in one call and
 continuous batching does the rest; with --server the requests go concurrently
 (--concurrency) to a running `formwork serve` or any OpenAI-compatible endpoint.
 
-Output (-o FILE or stdout): one JSON line per document, in input order offline
-and in completion order with --server:
+Output (-o FILE or stdout): one JSON line per document as soon as it is known
+(documents that were not sent first, then in completion order, so an interrupted
+run keeps what finished for --resume); `id` and `source` name the document:
     {"id", "source", "data", "valid", "finish_reason", "error",
      "usage": {"prompt_tokens", "completion_tokens"}, "truncated"}
 `data` is the parsed output (null when it does not parse); `valid` is true only
