@@ -82,6 +82,9 @@ def test_completions_add_the_bos_as_vllm(bos_server, plain_ids):
     off = _post(bos_server, "/v1/completions", prompt="The capital of France is",
                 add_special_tokens=False)
     assert off["choices"][0]["prompt_token_ids"] == ids
+    nulled = _post(bos_server, "/v1/completions", prompt="The capital of France is",
+                   add_special_tokens=None)                 # null: the default
+    assert nulled["choices"][0]["prompt_token_ids"] == [BOS, *ids]
     as_ids = _post(bos_server, "/v1/completions", prompt=ids)
     assert as_ids["choices"][0]["prompt_token_ids"] == ids
 
@@ -90,5 +93,8 @@ def test_chat_leaves_special_tokens_to_the_template(bos_server):
     msgs = [{"role": "user", "content": "Hi"}]
     r = _post(bos_server, "/v1/chat/completions", messages=msgs)
     assert r["prompt_token_ids"][0] != BOS
+    nulled = _post(bos_server, "/v1/chat/completions", messages=msgs, add_special_tokens=None,
+                   include_reasoning=None)
+    assert nulled["prompt_token_ids"] == r["prompt_token_ids"]
     asked = _post(bos_server, "/v1/chat/completions", messages=msgs, add_special_tokens=True)
     assert asked["prompt_token_ids"] == [BOS, *r["prompt_token_ids"]]
