@@ -4,7 +4,10 @@ checks, ids, model cards and the error body. Pydantic, the HTTP wire format only
 """
 from __future__ import annotations
 
+import functools
 import time
+import types
+import typing
 import uuid
 from typing import Any, Literal
 
@@ -47,6 +50,16 @@ def _check_body(value: Any, path: str = "", depth: int = 0) -> None:
             _check_body(v, f"{path}[{i}]", depth + 1)
 
 
+def _admits_none(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _admits_none(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_admits_none(a) for a in typing.get_args(annotation))
+    return False
+
+
 class RequestModel(BaseModel):
     # allow_inf_nan=False: NaN / Infinity are not numbers any parameter accepts
     model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
@@ -56,6 +69,31 @@ class RequestModel(BaseModel):
     def _text_is_unicode(cls, data: Any) -> Any:
         _check_body(data)
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A null optional field is the field left out (OpenAI's API types most of
+        them nullable; clients generated from it send nulls): it takes its default,
+        also where the type itself has no null (`n`, `stream`, `logprobs`...).
+        Required fields stay refused when null."""
+        if isinstance(data, dict):
+            unset = cls._defaulted_not_nullable()
+            if any(v is None and k in unset for k, v in data.items()):
+                return {k: v for k, v in data.items() if v is not None or k not in unset}
+        return data
+
+    @classmethod
+    @functools.cache
+    def _defaulted_not_nullable(cls) -> frozenset[str]:
+        """Names (and aliases) of the fields with a default whose type has no null."""
+        names = set()
+        for name, info in cls.model_fields.items():
+            if not info.is_required() and not _admits_none(info.annotation):
+                names.add(name)
+                if info.alias:
+                    names.add(info.alias)
+        return frozenset(names)
 
 
 class ResponseModel(BaseModel):

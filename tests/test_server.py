@@ -675,6 +675,17 @@ ERROR_CASES = [  # (body, status, param, code, words that must appear in the mes
 ]
 
 
+def test_nulls_are_defaults(server):
+    """Explicit nulls (generated clients send every field) answer as if left out."""
+    r = _post(server, _chat(n=None, stream=None, logprobs=None, parallel_tool_calls=None,
+                            ignore_eos=None, stop=None, temperature=None, seed=None))
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = _post(server, {"model": "SmolLM2-135M-Instruct", "prompt": "x", "echo": None,
+                       "best_of": None, "n": None, "max_tokens": 2}, path="/v1/completions")
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, r.text
+
+
 def test_oversized_requests_are_refused_fast_while_a_stream_flows(server):
     """A 20 MB body -> 413 before it is parsed; a 4 MB message (under the body
     limit) -> 400 context_length_exceeded without tokenizing it; a stream running

@@ -73,6 +73,20 @@ def test_top_logprobs_needs_logprobs():
     assert e.value.param == "top_logprobs"
 
 
+@pytest.mark.parametrize("model,base", [
+    (ChatCompletionRequest, {"messages": MSGS}), (CompletionRequest, {"prompt": "x"})])
+def test_a_null_optional_field_takes_its_default(model, base):
+    """OpenAI types most request fields nullable and generated clients send nulls:
+    null is the field left out, also where formwork's type has no null (n, stream,
+    logprobs, parallel_tool_calls, vLLM's booleans...); a required field stays refused."""
+    unset = model._defaulted_not_nullable()
+    assert {"n", "stream"} <= unset
+    nulls = model(**base, **{f: None for f in unset})
+    assert nulls.model_dump() == model(**base).model_dump()
+    with pytest.raises(ValueError):
+        model(**{k: None for k in base})
+
+
 def test_response_format_kinds():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     s, src = structured_from_request(chat(response_format={
