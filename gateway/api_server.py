@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import logging
 import time
+import uuid
 
 import uvicorn
 from fastapi import FastAPI
@@ -78,6 +79,28 @@ class AuthMiddleware:
                 err = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 return await err.to_response()(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """--enable-request-id-headers (vLLM's): every HTTP response carries X-Request-Id,
+    the request's own header (so a client's id follows it through a proxy) or a new id."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id", b"").strip()
+        request_id = given[:256] if given else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 async def _start(config: EngineConfig, engine_restarts: dict | None = None,
@@ -178,7 +201,8 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
     and `requests`: the serve options of gateway/serve_options.py."""
     http = http or HTTPOptions()
     names = tuple(served_model_names or [config.model or DEFAULT_MODEL])
-    app = FastAPI(title="formwork", version=version(),
+    docs = {} if http.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="formwork", version=version(), **docs,
                   lifespan=_lifespan(config, names, api_key, engine_restarts, chat_template,
                                      reasoning_parser, requests))
     app.state.admission = admission or Admission(None)
@@ -189,6 +213,8 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(max_request_body_mb * 2**20))
+    if http.request_id_headers:    # outside the key check: refusals carry the id too
+        app.add_middleware(RequestIdMiddleware)
     if http.allowed_origins:       # outermost: preflights are answered before the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(http.allowed_origins),
                            allow_credentials=http.allow_credentials,

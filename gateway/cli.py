@@ -6,6 +6,7 @@ and is imported only when that subcommand runs; it imports nothing from here.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import pathlib
@@ -13,8 +14,8 @@ import sys
 
 from formwork.gateway.engine_args import FLAGS, add_engine_arguments, engine_config
 from formwork.gateway.reasoning import PARSERS
-from formwork.gateway.serve_options import (add_http_arguments, jinja_syntax_error,
-                                           options_from_args)
+from formwork.gateway.serve_options import (_json_object, add_http_arguments,
+                                           jinja_syntax_error, options_from_args)
 from formwork.gateway.tools import TOOL_FORMATS
 from formwork.gateway.version import version
 
@@ -74,6 +75,19 @@ def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"accepted: {why}")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="= --no-prefix-caching")
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                   action="store_false", help="= --no-chunked-prefill")
+    g.add_argument("--structured-outputs-config", type=_json_object, default=None,
+                   metavar="JSON",
+                   help="vLLM's structured-outputs settings (also as "
+                        "--structured-outputs-config.KEY VALUE): backend (= "
+                        "--structured-outputs-backend), disable_any_whitespace (JSON "
+                        "constraints without optional whitespace unless a request sets its "
+                        "own), reasoning_parser (= --reasoning-parser), disable_fallback and "
+                        "disable_additional_properties (formwork's behaviour already)")
+    g.add_argument("--config", dest="config_file", default=None, metavar="FILE.yaml",
+                   help="vLLM's YAML of serve options (`port: 8000`, `max-model-len: 4k`, "
+                        "`enable-prefix-caching: true`, ...); flags on the command line win")
     g.add_argument("--tool-call-parser", choices=tuple(TOOL_FORMATS), default=None,
                    help="how the model writes tool calls in free text (tool_choice auto): "
                         "hermes (<tool_call>{...}</tool_call>, the default: Qwen, Hermes, "
@@ -95,8 +109,42 @@ def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
                    help="= --log-level (trace: debug)")
 
 
+_SO_CONFIG_KEYS = ("backend", "disable_any_whitespace", "disable_additional_properties",
+                   "disable_fallback", "reasoning_parser", "enable_in_reasoning")
+
+
+def _apply_structured_outputs_config(args: argparse.Namespace, config: dict) -> None:
+    """vLLM's --structured-outputs-config onto formwork's flags; ValueError naming
+    the key of a value formwork cannot take."""
+    flag = "--structured-outputs-config"
+    for key, value in config.items():
+        if key not in _SO_CONFIG_KEYS:
+            raise ValueError(f"{flag}: unknown key {key!r}; known: {', '.join(_SO_CONFIG_KEYS)}")
+        if key in ("backend", "reasoning_parser"):
+            choices = FLAGS["structured_backend"].choices if key == "backend" else PARSERS
+            if value not in choices:
+                raise ValueError(f"{flag}: {key} must be one of {', '.join(choices)}, "
+                                 f"got {value!r}")
+        elif not isinstance(value, bool):
+            raise ValueError(f"{flag}: {key} must be true or false, got {value!r}")
+    if config.get("enable_in_reasoning"):
+        raise ValueError(f"{flag}: enable_in_reasoning is not served (a constraint applies "
+                         "after the thinking)")
+    if "backend" in config:
+        args.structured_backend = config["backend"]
+    if "reasoning_parser" in config:
+        if args.reasoning_parser not in (None, config["reasoning_parser"]):
+            raise ValueError(f"{flag}: reasoning_parser {config['reasoning_parser']!r} "
+                             f"contradicts --reasoning-parser {args.reasoning_parser!r}")
+        args.reasoning_parser = config["reasoning_parser"]
+    if config.get("disable_any_whitespace"):
+        args.structured_whitespace = "compact"
+
+
 def apply_vllm_arguments(args: argparse.Namespace) -> None:
     """Fold the vLLM spellings into formwork's arguments; ValueError on a conflict."""
+    if args.structured_outputs_config:
+        _apply_structured_outputs_config(args, args.structured_outputs_config)
     if args.model_flag is not None:
         if args.model is not None and args.model != args.model_flag:
             raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
@@ -176,8 +224,86 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _yaml_argv(path: str) -> list[str]:
+    """vLLM's --config file as flags: `key: value` is `--key value`, `key: true` the
+    switch `--key` (false and null: left out), a list its values, a mapping JSON."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(pathlib.Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config: cannot read {path!r}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config: {path!r} must hold a mapping of options")
+    out: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            out += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+_SO_DOTTED = "--structured-outputs-config."
+
+
+def expand_vllm_argv(argv: list[str]) -> list[str]:
+    """`formwork serve` argv with vLLM's spellings argparse cannot take as they are:
+    --config FILE's options first (so the command line wins), and the
+    --structured-outputs-config.KEY VALUE pairs folded into one
+    --structured-outputs-config JSON (over that flag's own object, if any)."""
+    if argv[:1] != ["serve"]:
+        return argv
+    rest, dotted, config_at = list(argv[1:]), {}, None
+    for i, arg in enumerate(rest):
+        if arg == "--config" and i + 1 < len(rest):
+            config_at = (i, 2, rest[i + 1])
+        elif arg.startswith("--config="):
+            config_at = (i, 1, arg.split("=", 1)[1])
+    if config_at is not None:
+        i, n, path = config_at
+        rest = _yaml_argv(path) + rest[:i] + rest[i + n:]
+    out, i = [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg.startswith(_SO_DOTTED):
+            key, eq, value = arg[len(_SO_DOTTED):].partition("=")
+            if not eq:
+                if i + 1 >= len(rest):
+                    raise ValueError(f"{arg}: expects a value")
+                value, i = rest[i + 1], i + 1
+            try:
+                dotted[key.replace("-", "_")] = json.loads(value)
+            except json.JSONDecodeError:
+                dotted[key.replace("-", "_")] = value       # a bare string: backend names
+        else:
+            out.append(arg)
+        i += 1
+    if dotted:
+        given = {}
+        for j in range(len(out) - 1):
+            if out[j] == "--structured-outputs-config":
+                given = json.loads(out[j + 1])
+                del out[j:j + 2]
+                break
+        out += ["--structured-outputs-config", json.dumps({**given, **dotted})]
+    return ["serve", *out]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_vllm_argv(argv)
+    except (ValueError, json.JSONDecodeError) as e:
+        print(f"formwork serve: {e}", file=sys.stderr)
+        return 2
     args = build_parser(argv).parse_args(argv)
     if args.command == "serve":
         return serve(args)

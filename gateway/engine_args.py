@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import decimal
 import typing
 
 from formwork.schemas.config import ATTENTION_BACKENDS, DEVICES, DTYPES, SCHEDULING_POLICIES, EngineConfig
@@ -94,6 +95,33 @@ def flag_name(field: dataclasses.Field) -> str:
     return "--" + field.name.replace("_", "-")
 
 
+_HUMAN_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_int(text: str) -> int:
+    """An int, or vLLM's human-readable form: 1k = 1000, 1K = 1024, 25.6k = 25600
+    (k/m/g decimal, K/M/G binary)."""
+    text = text.strip()
+    if text[-1:] in _HUMAN_SUFFIXES:
+        try:       # Decimal: 0.3k is 300, not 300.00000000000006
+            value = decimal.Decimal(text[:-1]) * _HUMAN_SUFFIXES[text[-1]]
+        except decimal.InvalidOperation:
+            raise argparse.ArgumentTypeError(f"invalid size {text!r}") from None
+        if not value.is_finite():
+            raise argparse.ArgumentTypeError(f"invalid size {text!r}")
+        if value != int(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+        return int(value)
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+
+
+# token counts that take vLLM's human-readable sizes ("4k", "32K")
+_HUMAN_SIZED = frozenset({"max_model_len", "max_num_batched_tokens"})
+
+
 def _value_type(annotation: object) -> type:
     """The type a flag's string converts to: int for `int | None`, and so on."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -114,8 +142,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             g.add_argument(*names, dest=f.name, default=f.default, help=spec.help,
                            action="store_false" if f.default else "store_true")
         else:
-            g.add_argument(*names, dest=f.name, type=kind, choices=spec.choices,
-                           default=f.default, help=spec.help)
+            g.add_argument(*names, dest=f.name, choices=spec.choices, default=f.default,
+                           type=human_int if f.name in _HUMAN_SIZED else kind, help=spec.help)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -170,6 +170,20 @@ def structured_from_request(
     return _with_options(constraint, _vllm_options(top, param), param), source
 
 
+def with_server_whitespace(params: StructuredOutputsParams | None,
+                           whitespace: str | None) -> StructuredOutputsParams | None:
+    """The server's JSON whitespace default (vLLM's --structured-outputs-config
+    disable_any_whitespace: "compact") on a constraint that left whitespace at its
+    default; a request's own whitespace / whitespace_pattern stays."""
+    if params is None or whitespace is None or params.whitespace_pattern is not None \
+            or params.whitespace == whitespace:
+        return params
+    default = StructuredOutputsParams(json={})
+    if params.whitespace != default.whitespace or params.max_whitespace != default.max_whitespace:
+        return params
+    return msgspec.structs.replace(params, whitespace=whitespace)
+
+
 def validate_constraint(params: StructuredOutputsParams, source: str,
                         default_backend: str = "auto") -> None:
     """Check the constraint before it is queued: a bad schema / regex / grammar is a 400."""
@@ -332,11 +346,14 @@ def request_chat_template(state, template: str) -> str:
 
 def template_kwargs(state, req) -> dict | None:
     """The chat template's keyword arguments of a chat (or /tokenize) request: its
-    `chat_template_kwargs`, its `reasoning_effort` (the former's own value wins) and
-    its own `chat_template` (trusted servers only)."""
+    `chat_template_kwargs`, its `reasoning_effort` (the former's own value wins), the
+    server's --default-chat-template-kwargs under both, and its own `chat_template`
+    (trusted servers only)."""
     kwargs = req.chat_template_kwargs
     if req.reasoning_effort is not None:
         kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
+    if state.options.default_chat_template_kwargs:
+        kwargs = {**state.options.default_chat_template_kwargs, **(kwargs or {})}
     if req.chat_template is not None:
         kwargs = {**(kwargs or {}), "chat_template": request_chat_template(state, req.chat_template)}
     return kwargs

@@ -33,6 +33,8 @@ class HTTPOptions:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     access_log: bool = True
+    request_id_headers: bool = False     # X-Request-Id on every response
+    docs: bool = True                    # /docs, /redoc and /openapi.json
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,13 @@ class RequestOptions:
     override_generation_config: dict = field(default_factory=dict)
     # how tool calls are written in free text (gateway/tools.py TOOL_FORMATS)
     tool_call_parser: str = "hermes"
+    # streams end with a usage chunk whether or not stream_options asks for it
+    force_include_usage: bool = False
+    # chat template keyword arguments under every request's own
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    # "compact": JSON constraints without optional whitespace unless a request sets
+    # its own (vLLM's --structured-outputs-config disable_any_whitespace)
+    structured_whitespace: str | None = None
 
 
 def _json_list(text: str) -> list[str]:
@@ -113,6 +122,17 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted: the engine overlaps the grammar mask fill with the forward "
                         "in its own way; there is no separate async scheduler")
     g.add_argument("--revision", default=None, help="accepted: local files only")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the request's own header, or a "
+                        "new id")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc and /openapi.json")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with a usage chunk, as if stream_options.include_usage "
+                        "were true")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                   help="JSON object of chat template keyword arguments for every request (a "
+                        "request's chat_template_kwargs win), e.g. '{\"enable_thinking\": false}'")
 
 
 def jinja_syntax_error(template: str) -> str | None:
@@ -177,7 +197,8 @@ def options_from_args(args: argparse.Namespace) -> tuple[HTTPOptions, RequestOpt
     http = HTTPOptions(tuple(args.allowed_origins), args.allow_credentials,
                        tuple(args.allowed_methods), tuple(args.allowed_headers), args.root_path,
                        args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs,
-                       not args.disable_uvicorn_access_log)
+                       not args.disable_uvicorn_access_log, args.enable_request_id_headers,
+                       not args.disable_fastapi_docs)
     if args.generation_config not in ("auto", "vllm"):
         generation_defaults(args.generation_config, None, None)        # the folder's file
     generation_defaults("vllm", None, args.override_generation_config)  # the keys
@@ -185,5 +206,8 @@ def options_from_args(args: argparse.Namespace) -> tuple[HTTPOptions, RequestOpt
                               args.trust_request_chat_template, args.enable_log_requests,
                               args.max_log_len, args.generation_config,
                               args.override_generation_config or {},
-                              getattr(args, "tool_call_parser", None) or "hermes")
+                              getattr(args, "tool_call_parser", None) or "hermes",
+                              args.enable_force_include_usage,
+                              args.default_chat_template_kwargs or {},
+                              getattr(args, "structured_whitespace", None))
     return http, requests

@@ -19,7 +19,8 @@ from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.params import (chat_logprobs, chat_max_tokens, check_max_logprobs,
                                      context_max_tokens, explicit_prompt_logprobs, log_request,
                                      sampling_params, template_kwargs,
-                                     structured_from_request, check_constraint)
+                                     structured_from_request, check_constraint,
+                                     with_server_whitespace)
 from formwork.gateway.reasoning import END, ReasoningSplitter, split_reasoning, thinks_first
 from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
@@ -80,6 +81,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                           param="continue_final_message")
     mode = resolve_tool_mode(req, state.tool_format)
     structured, source = structured_from_request(req, mode)
+    structured = with_server_whitespace(structured, state.options.structured_whitespace)
     if req.use_beam_search:
         check_beam_request(req, source, chat=True)
     if structured is not None:
@@ -239,8 +241,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.use_beam_search:
         return await _beam_chat(state, req, prep, request_id, raw)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage) \
+            or state.options.force_include_usage
+        continuous = include_usage and bool(req.stream_options
+                                            and req.stream_options.continuous_usage_stats)
         return StreamingResponse(_chat_stream(state, prep, request_id, timer, include_usage,
                                               continuous),
                                  media_type="text/event-stream")

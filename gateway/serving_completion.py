@@ -27,7 +27,8 @@ from formwork.gateway.output_check import check_output, drop_unset
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.params import (check_max_logprobs, context_max_tokens,
                                      explicit_prompt_logprobs, log_request, sampling_params,
-                                     structured_from_request, check_constraint)
+                                     structured_from_request, check_constraint,
+                                     with_server_whitespace)
 from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
                              run_until_disconnect, sse, sse_error, stream_outputs)
 from formwork.schemas.openai import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
@@ -104,6 +105,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     # best_of ranks candidates by cumulative logprob: the chosen tokens' logprobs are needed
     engine_lp = req.logprobs if req.logprobs is not None or best_of == req.n else 0
     structured, source = structured_from_request(req)
+    structured = with_server_whitespace(structured, state.options.structured_whitespace)
     if req.use_beam_search:
         check_beam_request(req, source, chat=False)
     if structured is not None:
@@ -182,8 +184,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.use_beam_search:
         return await _beam_completion(state, req, prep, request_id, raw)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage) \
+            or state.options.force_include_usage
+        continuous = include_usage and bool(req.stream_options
+                                            and req.stream_options.continuous_usage_stats)
         return StreamingResponse(_stream(state, prep, request_id, req.echo, include_usage,
                                          continuous),
                                  media_type="text/event-stream")

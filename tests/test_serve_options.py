@@ -268,3 +268,112 @@ def test_tls_and_served_end_ids(ends, tmp_path):
         assert r["usage"]["completion_tokens"] == k + 1 and r["choices"][0]["stop_reason"] == end
     finally:
         s.stop()
+
+
+# ---- vLLM's config file, structured-outputs config and request-level flags ---------------
+
+TEMPLATE = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+            "{% if extra_word %} EXTRA WORDS HERE{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def yaml_server(tiny_model_dir, tmp_path_factory):
+    """`formwork serve --config FILE` (vLLM's YAML of flags) with more flags after it,
+    vLLM's dotted --structured-outputs-config.KEY among them."""
+    folder = tmp_path_factory.mktemp("yaml-config")
+    (folder / "serve.yaml").write_text(
+        "dtype: float32\nkv-cache-memory-gb: 0.05\nmax-model-len: 0.5K\n"
+        "max_num_batched_tokens: 1k\n"
+        "enable-request-id-headers: true\nenable-force-include-usage: true\n"
+        "disable-fastapi-docs: true\nenable-prefix-caching: false\n"
+        f"chat-template: {json.dumps(TEMPLATE)}\n"
+        "default-chat-template-kwargs: {extra_word: true}\n"
+        "structured-outputs-config: {backend: llguidance}\n")
+    s = Server(str(tiny_model_dir), "--config", str(folder / "serve.yaml"),
+               "--structured-outputs-config.disable_any_whitespace", "true",
+               "--no-enable-chunked-prefill")
+    yield s
+    s.stop()
+
+
+def test_yaml_config_and_request_flags(yaml_server):
+    models = httpx.get(f"{yaml_server.url}/v1/models", headers=H, timeout=30)
+    assert models.json()["data"][0]["max_model_len"] == 512            # 0.5K
+    assert models.headers["x-request-id"]                               # a new id
+    own = httpx.get(f"{yaml_server.url}/v1/models", timeout=30,
+                    headers={**H, "X-Request-Id": "trace-42"})
+    assert own.headers["x-request-id"] == "trace-42"
+    refused = httpx.get(f"{yaml_server.url}/v1/models", timeout=30, headers={"X-Request-Id": "r1"})
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "r1"
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{yaml_server.url}{path}", timeout=30).status_code == 404
+    # --enable-force-include-usage: a stream ends with usage unasked
+    r = httpx.post(f"{yaml_server.url}/v1/chat/completions", headers=H, timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+    events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] <= 3
+
+
+def test_default_chat_template_kwargs_under_the_requests(yaml_server):
+    def count(**kw):
+        return httpx.post(f"{yaml_server.url}/tokenize", headers=H, timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], **kw}).json()["count"]
+
+    with_words = count()
+    assert count(chat_template_kwargs={"extra_word": False}) < with_words
+    r = httpx.post(f"{yaml_server.url}/v1/chat/completions", headers=H, timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).json()
+    assert r["usage"]["prompt_tokens"] == with_words
+
+
+def test_server_wide_compact_json(yaml_server):
+    """--structured-outputs-config disable_any_whitespace: JSON constraints get no
+    optional whitespace unless the request asks for its own."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"},
+                                               "c": {"type": "array", "items": {"enum": [1, 2]}}},
+              "required": ["a", "b", "c"], "additionalProperties": False}
+    for seed in range(3):
+        r = _chat(yaml_server, max_tokens=60, temperature=1.0, seed=seed, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).json()
+        text = r["choices"][0]["message"]["content"]
+        if r["choices"][0]["finish_reason"] == "stop":
+            assert text == json.dumps(json.loads(text), separators=(",", ":")), text
+        assert not any(ch in text for ch in " \n\t"), text
+    flexible = [_chat(yaml_server, max_tokens=60, temperature=1.0, seed=seed, structured_outputs={
+        "json": schema, "whitespace": "flexible", "max_whitespace": 3}).json()
+        ["choices"][0]["message"]["content"] for seed in range(6)]
+    assert any(ch in text for text in flexible for ch in " \n\t"), flexible
+
+
+def _parsed(argv):
+    from formwork.gateway.cli import apply_vllm_arguments, build_parser, expand_vllm_argv
+    argv = expand_vllm_argv(argv)
+    args = build_parser(argv).parse_args(argv)
+    apply_vllm_arguments(args)
+    return args
+
+
+def test_structured_outputs_config_spellings(tmp_path):
+    args = _parsed(["serve", "--structured-outputs-config", '{"backend": "xgrammar"}',
+                    "--structured-outputs-config.disable-any-whitespace=true",
+                    "--structured-outputs-config.reasoning_parser", "qwen3"])
+    assert (args.structured_backend, args.structured_whitespace, args.reasoning_parser) == \
+        ("xgrammar", "compact", "qwen3")
+    assert _parsed(["serve", "--structured-outputs-config.backend", "guidance"]) \
+        .structured_backend == "guidance"
+    for bad, words in ((["--structured-outputs-config.backend", "lm-format-enforcer"], "backend"),
+                       (['--structured-outputs-config', '{"enable_in_reasoning": true}'],
+                        "enable_in_reasoning"),
+                       (['--structured-outputs-config', '{"whitespace": 1}'], "unknown key"),
+                       (["--structured-outputs-config.disable_fallback", "maybe"], "true or false"),
+                       (["--reasoning-parser", "deepseek_r1",
+                         "--structured-outputs-config.reasoning_parser", "qwen3"], "contradicts")):
+        with pytest.raises(ValueError, match=words):
+            _parsed(["serve", *bad])
+    (tmp_path / "c.yaml").write_text("port: 9001\nserved_model_name: [a, b]\ntrust-remote-code: true\n"
+                                     "max-model-len: 4k\n")
+    args = _parsed(["serve", "--config", str(tmp_path / "c.yaml"), "--port", "9002"])
+    assert (args.port, args.served_model_name, args.max_model_len) == (9002, ["a", "b"], 4000)
+    (tmp_path / "list.yaml").write_text("- port\n")
+    with pytest.raises(ValueError, match="mapping"):
+        _parsed(["serve", "--config", str(tmp_path / "list.yaml")])
