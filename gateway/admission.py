@@ -14,7 +14,7 @@ import asyncio
 from formwork.gateway.errors import ServerShuttingDownError, TooManyWaitingError, count_error
 
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-OPEN_WHILE_DRAINING = ("/health", "/metrics", "/version")
+OPEN_WHILE_DRAINING = ("/health", "/ping", "/metrics", "/version")
 DEFAULT_MAX_WAITING = 1024
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 

@@ -4,7 +4,7 @@
 spawns the EngineCore process and shuts it down again; `run_server` serves it.
 Routes (gateway/routes.py): POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
 (GET / DELETE /v1/responses/{id} for stored ones), GET /v1/models,
-POST /tokenize, POST /detokenize (vLLM's), GET /health, GET /metrics,
+POST /tokenize, POST /detokenize (vLLM's), GET /health (and vLLM's /ping), GET /metrics,
 GET /version. With an API key set, /v1/*, /tokenize and /detokenize need
 `Authorization: Bearer <key>`.
 

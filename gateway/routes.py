@@ -94,6 +94,7 @@ async def detokenize_route(body: DetokenizeRequest, request: Request):
 
 
 @router.get("/health")
+@router.api_route("/ping", methods=["GET", "POST"])     # vLLM's (SageMaker's health check)
 async def health(request: Request):
     """200 {"status": "ready"} while the engine answers (data parallel: while
     any engine answers; "engines" lists each one's state, pid and restarts);

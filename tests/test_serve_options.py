@@ -307,6 +307,9 @@ def test_yaml_config_and_request_flags(yaml_server):
     assert refused.status_code == 401 and refused.headers["x-request-id"] == "r1"
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(f"{yaml_server.url}{path}", timeout=30).status_code == 404
+    for method in ("GET", "POST"):                      # vLLM's /ping is /health
+        ping = httpx.request(method, f"{yaml_server.url}/ping", timeout=30)
+        assert ping.status_code == 200 and ping.json()["status"] == "ready"
     # --enable-force-include-usage: a stream ends with usage unasked
     r = httpx.post(f"{yaml_server.url}/v1/chat/completions", headers=H, timeout=60, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
