@@ -48,6 +48,7 @@ class PreparedChat:
     reasoning: str | None = None        # the reasoning parser, where it applies
     token_ids: bool = False             # return_token_ids
     include_reasoning: bool = True      # false: the thinking is left out of the answer
+    legacy_functions: bool = False      # the deprecated `functions` API: `function_call` out
 
 
 def _texts(content) -> list[str]:
@@ -119,7 +120,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     return PreparedChat(model, prompt, ids, params, mode, source,
                         req.return_tokens_as_token_ids or state.options.return_tokens_as_token_ids,
                         _reasoning(state, req, mode, prompt, params), bool(req.return_token_ids),
-                        req.include_reasoning is not False)
+                        req.include_reasoning is not False, req.legacy_functions)
 
 
 def _reasoning(state: ServerState, req: ChatCompletionRequest, mode: ToolMode, prompt: str,
@@ -222,12 +223,15 @@ def _choice(c: CompletionOutput, prep: PreparedChat, text: TokenText,
     content, calls = parse_tool_output(mode, body or "")
     if body is None and not calls:
         content = None
-    return ChatChoice(index=c.index,
-                      message=ResponseMessage(content=content, tool_calls=calls or None,
-                                              reasoning=thinking, reasoning_content=thinking),
+    message = ResponseMessage(content=content, tool_calls=calls or None, reasoning=thinking,
+                              reasoning_content=thinking)
+    finish = finish_reason_with_tools(c.finish_reason, len(calls), mode, c.stop_reason)
+    if prep.legacy_functions and calls:        # one call at most (parallel_tool_calls off)
+        message.tool_calls, message.function_call = None, calls[0].function
+        finish = "function_call" if finish == "tool_calls" else finish
+    return ChatChoice(index=c.index, message=message,
                       logprobs=chat_logprobs_obj(c.logprobs, text),
-                      finish_reason=finish_reason_with_tools(c.finish_reason, len(calls), mode,
-                                                             c.stop_reason),
+                      finish_reason=finish,
                       stop_reason=c.stop_reason,
                       token_ids=list(c.token_ids) if prep.token_ids else None,
                       formwork=verdict.field() if verdict is not None else None)
@@ -343,7 +347,7 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
                                if c.finish_reason is not None else None)
                     for piece in _choice_chunks(c, parsers[c.index], text, verdict,
                                                 thinkers[c.index], prep.token_ids,
-                                                prep.include_reasoning):
+                                                prep.include_reasoning, prep.legacy_functions):
                         yield _chunk(request_id, created, model, piece, include_usage,
                                      so_far(len(c.token_ids)))
                     sent_final[c.index] = c.finish_reason is not None
@@ -360,7 +364,8 @@ def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser, text: TokenTex
                    verdict: Verdict | None = None,
                    thinker: ReasoningSplitter | None = None,
                    token_ids: bool = False,
-                   include_reasoning: bool = True) -> list[ChatStreamChoice]:
+                   include_reasoning: bool = True,
+                   legacy_functions: bool = False) -> list[ChatStreamChoice]:
     """The chunks of one completion's delta: reasoning / content / tool calls, then the
     finish chunk (carrying the `formwork` verdict of a constrained choice). With
     `token_ids` (return_token_ids) the first of them carries the delta's new token ids,
@@ -389,4 +394,11 @@ def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser, text: TokenTex
         if not pieces:
             pieces.append(ChatStreamChoice(index=c.index, delta=DeltaMessage()))
         pieces[0].token_ids = list(c.delta_token_ids)
+    if legacy_functions:          # the deprecated `functions` API: its one call's pieces
+        for piece in pieces:
+            calls, piece.delta.tool_calls = piece.delta.tool_calls or [], None
+            if calls and calls[0].function is not None:
+                piece.delta.function_call = calls[0].function
+            if piece.finish_reason == "tool_calls":
+                piece.finish_reason = "function_call"
     return pieces

@@ -210,6 +210,31 @@ class ChatCompletionRequest(_SamplingFields):
         _refuse_unserved(data, _UNSERVED_CHAT)
         return data
 
+    @model_validator(mode="after")
+    def _functions_as_tools(self) -> "ChatCompletionRequest":
+        """The deprecated `functions` / `function_call` as tools / tool_choice (one
+        call, as that API returns one)."""
+        if self.functions is None:
+            if self.function_call is not None:
+                raise ParamError("function_call", "needs `functions`")
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            raise ParamError("functions", "give `tools` / `tool_choice` or the deprecated "
+                                          "`functions` / `function_call`, not both")
+        names = [f.name for f in self.functions]
+        if isinstance(self.function_call, NamedFunction) and self.function_call.name not in names:
+            raise ParamError("function_call", f"function {self.function_call.name!r} is not among "
+                                              f"the functions ({', '.join(names) or 'none given'})")
+        self.tools = [ChatCompletionTool(function=f) for f in self.functions]
+        self.tool_choice = NamedToolChoice(function=self.function_call) \
+            if isinstance(self.function_call, NamedFunction) else self.function_call
+        self.parallel_tool_calls = False
+        return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        return self.functions is not None
+
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -217,6 +242,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's deprecated function calling: `functions` are tools, `function_call`
+    # ("none", "auto" or {"name"}) their tool_choice, one call at most; the answer
+    # carries `message.function_call` and finish_reason "function_call"
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's: reaches the chat template as `reasoning_effort` (templates of models
     # with an effort setting read it; others ignore it), as vLLM passes it
@@ -288,6 +318,7 @@ class ResponseMessage(ResponseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None     # absent from the JSON when no tool was called
+    function_call: FunctionCall | None = None    # the deprecated `functions` API's one call
     # under --reasoning-parser: the thinking text (both of vLLM's names; absent otherwise)
     reasoning: str | None = None
     reasoning_content: str | None = None
@@ -295,7 +326,7 @@ class ResponseMessage(ResponseModel):
     @model_serializer(mode="wrap")
     def _drop_absent_tool_calls(self, handler):
         data = handler(self)
-        for name in ("tool_calls", "reasoning", "reasoning_content"):
+        for name in ("tool_calls", "function_call", "reasoning", "reasoning_content"):
             if data.get(name) is None:
                 data.pop(name, None)
         return data
@@ -358,6 +389,7 @@ class DeltaMessage(ResponseModel):
     reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunctionCall | None = None   # the deprecated `functions` API's
 
 
 class ChatStreamChoice(ResponseModel):

@@ -593,6 +593,47 @@ def test_streamed_tool_calls_equal_non_streamed(client, model, auto):
     assert calls[0]["id"].startswith("call_")
 
 
+def test_deprecated_functions_api(client, model):
+    """OpenAI's deprecated `functions` / `function_call` (older clients still send
+    them): served as tools with one call at most; the answer's `function_call` and
+    finish_reason "function_call", streamed as `delta.function_call` pieces; the call
+    and its result go back as an assistant `function_call` and a `function` message."""
+    fn = {"name": "get_weather", "description": "Weather of a city",
+          "parameters": PARAMS["get_weather"]}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=model, messages=ask, functions=[fn], function_call={"name": "get_weather"},
+              temperature=0, max_tokens=40)
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "function_call" and not whole.message.tool_calls
+    call = whole.message.function_call
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), PARAMS["get_weather"])
+    name, args, finish = "", "", None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            assert not ch.delta.tool_calls
+            if ch.delta.function_call:
+                name += ch.delta.function_call.name or ""
+                args += ch.delta.function_call.arguments or ""
+            finish = ch.finish_reason or finish
+    assert (name, args, finish) == (call.name, call.arguments, "function_call")
+    # the call and its result sent back: a plain answer under function_call "none"
+    turn = ask + [{"role": "assistant", "content": None, "function_call": call.model_dump()},
+                  {"role": "function", "name": "get_weather", "content": "sunny, 21 C"}]
+    after = client.chat.completions.create(model=model, messages=turn, functions=[fn],
+                                           function_call="none", max_tokens=8).choices[0]
+    assert after.message.content and after.message.function_call is None
+    for extra, param in (({"tools": TOOLS}, "functions"),
+                         ({"function_call": {"name": "nope"}}, "function_call")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{**kw, **extra})
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ask, function_call="auto",
+                                       max_tokens=2)
+    assert e.value.body["param"] == "function_call"
+
+
 # ---- errors -------------------------------------------------------------------------------
 
 def _post(server, body, key=KEY, path="/v1/chat/completions", **kw):
