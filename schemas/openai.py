@@ -124,6 +124,8 @@ _UNSERVED = {
 _UNSERVED_CHAT = {
     "echo": "not served on chat completions (/v1/completions takes echo)",
     "documents": "RAG documents in the chat template are not served; put them in a message",
+    "audio": "audio output is not served (text only)",
+    "web_search_options": "web search is not served",
 }
 
 
@@ -208,6 +210,9 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _unserved_chat(cls, data: Any) -> Any:
         _refuse_unserved(data, _UNSERVED_CHAT)
+        modalities = data.get("modalities") if isinstance(data, dict) else None
+        if isinstance(modalities, list) and any(m != "text" for m in modalities):
+            raise ParamError("modalities", "only \"text\" output is served")
         return data
 
     @model_validator(mode="after")

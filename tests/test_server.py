@@ -665,6 +665,11 @@ ERROR_CASES = [  # (body, status, param, code, words that must appear in the mes
      "allowed_token_ids", None, ["logit_bias bans every token"]),
     (_chat(echo=True), 400, "echo", None, ["/v1/completions"]),
     (_chat(logprob_token_ids=[5]), 400, "logprob_token_ids", None, ["top_logprobs"]),
+    (_chat(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}), 400,
+     "audio", None, ["text only"]),
+    (_chat(modalities=["audio"]), 400, "modalities", None, ["text"]),
+    (_chat(web_search_options={"search_context_size": "low"}), 400, "web_search_options",
+     None, ["not served"]),
     (_chat(repetition_detection={"min_pattern_len": 2}), 400, "repetition_detection", None,
      ["not served"]),
     (_chat(thinking_token_budget=10), 400, "thinking_token_budget", None, ["not served"]),
@@ -719,7 +724,8 @@ ERROR_CASES = [  # (body, status, param, code, words that must appear in the mes
 def test_nulls_are_defaults(server):
     """Explicit nulls (generated clients send every field) answer as if left out."""
     r = _post(server, _chat(n=None, stream=None, logprobs=None, parallel_tool_calls=None,
-                            ignore_eos=None, stop=None, temperature=None, seed=None))
+                            ignore_eos=None, stop=None, temperature=None, seed=None,
+                            modalities=["text"], audio=None, web_search_options=None))
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
     r = _post(server, {"model": "SmolLM2-135M-Instruct", "prompt": "x", "echo": None,
