@@ -14,8 +14,8 @@ import sys
 
 from formwork.gateway.engine_args import FLAGS, add_engine_arguments, engine_config
 from formwork.gateway.reasoning import PARSERS
-from formwork.gateway.serve_options import (_json_object, add_http_arguments,
-                                           jinja_syntax_error, options_from_args)
+from formwork.gateway.serve_options import (add_http_arguments, jinja_syntax_error,
+                                           json_object_arg, options_from_args)
 from formwork.gateway.tools import TOOL_FORMATS
 from formwork.gateway.version import version
 
@@ -77,7 +77,7 @@ def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
                    action="store_false", help="= --no-prefix-caching")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", help="= --no-chunked-prefill")
-    g.add_argument("--structured-outputs-config", type=_json_object, default=None,
+    g.add_argument("--structured-outputs-config", type=json_object_arg, default=None,
                    metavar="JSON",
                    help="vLLM's structured-outputs settings (also as "
                         "--structured-outputs-config.KEY VALUE): backend (= "
@@ -291,6 +291,8 @@ def expand_vllm_argv(argv: list[str]) -> list[str]:
         for j in range(len(out) - 1):
             if out[j] == "--structured-outputs-config":
                 given = json.loads(out[j + 1])
+                if not isinstance(given, dict):
+                    raise ValueError("--structured-outputs-config: expected a JSON object")
                 del out[j:j + 2]
                 break
         out += ["--structured-outputs-config", json.dumps({**given, **dotted})]

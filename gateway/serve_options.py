@@ -66,7 +66,7 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
-def _json_object(text: str) -> dict:
+def json_object_arg(text: str) -> dict:
     value = json.loads(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
@@ -103,7 +103,7 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults for fields a request leaves out: 'auto' the model "
                         "folder's generation_config.json (temperature, top_p, top_k, min_p, "
                         "repetition_penalty, max_new_tokens), 'vllm' none, or a folder's")
-    g.add_argument("--override-generation-config", type=_json_object, default=None,
+    g.add_argument("--override-generation-config", type=json_object_arg, default=None,
                    help="JSON object of sampling defaults over the generation config's")
     g.add_argument("--response-role", choices=("assistant",), default="assistant",
                    help="the role of generated messages (assistant only)")
@@ -130,7 +130,7 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="every stream ends with a usage chunk, as if stream_options.include_usage "
                         "were true")
-    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+    g.add_argument("--default-chat-template-kwargs", type=json_object_arg, default=None,
                    help="JSON object of chat template keyword arguments for every request (a "
                         "request's chat_template_kwargs win), e.g. '{\"enable_thinking\": false}'")
 
