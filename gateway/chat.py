@@ -59,7 +59,7 @@ def template_supports_tools(tokenizer, template: str | dict | None = None) -> bo
 
 def tools_system_prompt(mode: ToolMode) -> str:
     lines = [json.dumps({"type": "function", "function": t.model_dump(exclude_none=True)},
-                        ensure_ascii=False) for t in mode.tools]
+                        ensure_ascii=False) for t in mode.prompt_tools]
     return TOOLS_PROMPT.format(tools="\n".join(lines),
                                calls=_CALL_INSTRUCTIONS[mode.format.name])
 
@@ -160,7 +160,7 @@ def build_chat_prompt(tokenizer, messages: list[ChatMessage], mode: ToolMode,
         kwargs["continue_final_message"] = True
     if native and mode.in_prompt:
         kwargs["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True)}
-                           for t in mode.tools]
+                           for t in mode.prompt_tools]
     try:
         prompt = tokenizer.apply_chat_template(
             dicts, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)

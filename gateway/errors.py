@@ -176,7 +176,9 @@ def _union_error(errors: list[dict], prefix: str = "") -> tuple[str, str, int] |
     group = [(e, loc) for e, loc in zip(errors, locs)
              if loc[:at] == field and len(loc) > at and _is_union_tag(loc[at])]
     param = _loc_to_param(field, prefix) or "body"
-    depths = sorted(((len(loc) - at - 1, i) for i, (_, loc) in enumerate(group)), reverse=True)
+    # how far into the value each try got (a tagged union nests its tag: not depth)
+    depths = sorted(((sum(not _is_union_tag(p) for p in loc[at + 1:]), i)
+                     for i, (_, loc) in enumerate(group)), reverse=True)
     if depths[0][0] >= 1 and (len(depths) == 1 or depths[1][0] < depths[0][0]):
         best, loc = group[depths[0][1]]   # the branch the value's shape matched
         where = _loc_to_param(loc, prefix) or param

@@ -159,8 +159,14 @@ def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
     if isinstance(choice, dict) and choice.get("type") == "function" \
             and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request(f"tool_choice: must be 'none', 'auto', 'required' or "
-                      f"{{'type': 'function', 'name': ...}}, got {json.dumps(choice)}",
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools" \
+            and isinstance(choice.get("tools"), list):       # the chat shape, names nested
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": [
+            {"type": t.get("type"), "function": {"name": t.get("name")}} if isinstance(t, dict)
+            else t for t in choice["tools"]]}}
+    raise bad_request(f"tool_choice: must be 'none', 'auto', 'required', "
+                      f"{{'type': 'function', 'name': ...}} or {{'type': 'allowed_tools', "
+                      f"'mode': ..., 'tools': [...]}}, got {json.dumps(choice)}",
                       param="tool_choice")
 
 

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 from formwork.gateway.errors import bad_request
 from formwork.gateway.schema_embed import defs_prefix, embed_schema
-from formwork.schemas.openai import ChatCompletionRequest, FunctionDefinition, NamedToolChoice
+from formwork.schemas.openai import (AllowedToolsChoice, ChatCompletionRequest, FunctionDefinition,
+                                     NamedToolChoice)
 from formwork.schemas.structured import StructuredOutputsParams
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -96,10 +97,17 @@ class ToolMode:
     name: str | None = None                  # set when kind == "named"
     parallel: bool = True
     format: ToolFormat = HERMES              # how calls are written in free text
+    # every tool of the request where tool_choice `allowed_tools` narrows `tools` (the
+    # ones that may be called) to a subset: the prompt lists them all
+    listed: tuple[FunctionDefinition, ...] | None = None
 
     @property
     def in_prompt(self) -> bool:
         return self.kind != "none" and bool(self.tools)
+
+    @property
+    def prompt_tools(self) -> tuple[FunctionDefinition, ...]:
+        return self.tools if self.listed is None else self.listed
 
 
 def resolve_tool_mode(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> ToolMode:
@@ -116,6 +124,16 @@ def resolve_tool_mode(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> T
                 f"tool_choice: function {choice.function.name!r} is not among the tools "
                 f"({', '.join(names) or 'none given'})", param="tool_choice")
         return ToolMode("named", tools, choice.function.name, req.parallel_tool_calls, fmt)
+    if isinstance(choice, AllowedToolsChoice):
+        allowed = [ref.function.name for ref in choice.allowed_tools.tools]
+        unknown = [n for n in allowed if n not in names]
+        if unknown:
+            raise bad_request(f"tool_choice.allowed_tools.tools: function {unknown[0]!r} is not "
+                              f"among the tools ({', '.join(names) or 'none given'})",
+                              param="tool_choice.allowed_tools.tools")
+        subset = tuple(t for t in tools if t.name in allowed)
+        return ToolMode(choice.allowed_tools.mode, subset, None, req.parallel_tool_calls, fmt,
+                        listed=tools)
     if choice in ("required", "auto") and not tools and req.tool_choice is not None:
         raise bad_request(f"tool_choice: {choice!r} needs a non-empty 'tools' list",
                           param="tool_choice")

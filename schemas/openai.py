@@ -10,9 +10,10 @@ describes the wire format.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_serializer, model_validator
+from pydantic import (Discriminator, Field, Tag, ValidationInfo, field_validator,
+                      model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
 from formwork.schemas.errors import ParamError
@@ -64,6 +65,34 @@ class NamedFunction(RequestModel):
 class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: NamedFunction
+
+
+class AllowedToolRef(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class AllowedTools(RequestModel):
+    mode: Literal["auto", "required"]
+    tools: list[AllowedToolRef] = Field(min_length=1)
+
+
+class AllowedToolsChoice(RequestModel):
+    """OpenAI's tool_choice `allowed_tools`: `mode` ("auto" / "required") over a
+    subset of `tools`; the prompt still lists every tool (a stable prompt prefix)."""
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+def _tool_choice_object(value: Any) -> str:
+    return "AllowedToolsChoice" if isinstance(value, dict) and \
+        value.get("type") == "allowed_tools" else "NamedToolChoice"
+
+
+# tool_choice objects, told apart by `type` (one member's errors, not both)
+ToolChoiceObject = Annotated[Annotated[NamedToolChoice, Tag("NamedToolChoice")]
+                             | Annotated[AllowedToolsChoice, Tag("AllowedToolsChoice")],
+                             Discriminator(_tool_choice_object)]
 
 
 class FunctionCall(ResponseModel):
@@ -245,7 +274,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[ChatCompletionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool = True
     # OpenAI's deprecated function calling: `functions` are tools, `function_call`
     # ("none", "auto" or {"name"}) their tool_choice, one call at most; the answer

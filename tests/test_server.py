@@ -593,6 +593,41 @@ def test_streamed_tool_calls_equal_non_streamed(client, model, auto):
     assert calls[0]["id"].startswith("call_")
 
 
+def test_allowed_tools_narrow_the_calls_not_the_prompt(client, model, server):
+    """OpenAI's tool_choice `allowed_tools`: calls only to the subset (mode "required"
+    forces one), while the prompt lists every tool, as the same request with
+    tool_choice "required" does (a stable prompt prefix); /v1/responses alike."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    allowed = {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}
+    r = client.chat.completions.create(model=model, messages=ask, tools=TOOLS,
+                                       tool_choice=allowed, temperature=0, max_tokens=40)
+    calls = _check_calls(r.choices[0])
+    assert calls and {c.function.name for c in calls} == {"get_time"}
+    every = client.chat.completions.create(model=model, messages=ask, tools=TOOLS,
+                                           tool_choice="required", max_tokens=1)
+    assert r.usage.prompt_tokens == every.usage.prompt_tokens
+    auto = {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}
+    r = client.chat.completions.create(model=model, messages=CALL_Q, tools=TOOLS,
+                                       tool_choice=auto, temperature=0, max_tokens=60)
+    assert {c.function.name for c in _check_calls(r.choices[0])} <= {"get_weather"}
+    bad = {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ask, tools=TOOLS, tool_choice=bad,
+                                       max_tokens=2)
+    assert e.value.body["param"] == "tool_choice.allowed_tools.tools"
+    resp = _post(server, {"model": "SmolLM2-135M-Instruct", "input": "Weather in Paris?",
+                          "max_output_tokens": 40, "temperature": 0,
+                          "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+                          "tool_choice": {"type": "allowed_tools", "mode": "required",
+                                          "tools": [{"type": "function", "name": "get_time"}]}},
+                 path="/v1/responses").json()
+    names = [o["name"] for o in resp["output"] if o["type"] == "function_call"]
+    assert names and set(names) == {"get_time"}, resp
+
+
 def test_deprecated_functions_api(client, model):
     """OpenAI's deprecated `functions` / `function_call` (older clients still send
     them): served as tools with one call at most; the answer's `function_call` and

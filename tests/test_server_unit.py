@@ -336,6 +336,9 @@ def test_error_json_shape(error_client, body, status, param, text):
     ("chat", {"tool_choice": {"type": "function"}}, "tool_choice.function", "Field required"),
     ("chat", {"tool_choice": {"type": "function", "function": {}}},
      "tool_choice.function.name", "Field required"),
+    ("chat", {"tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]}}},
+     "tool_choice.allowed_tools.mode", "'auto' or 'required'"),
     ("completions", {"prompt": [[1, "a"]]}, "prompt[0][1]", "valid integer"),
 ])
 def test_union_fields_name_the_field_not_pydantics_member(path, extra, param, text):
