@@ -170,18 +170,23 @@ def structured_from_request(
     return _with_options(constraint, _vllm_options(top, param), param), source
 
 
-def with_server_whitespace(params: StructuredOutputsParams | None,
+_WHITESPACE_FIELDS = frozenset({"whitespace", "max_whitespace", "whitespace_pattern",
+                                "disable_any_whitespace"})
+
+
+def with_server_whitespace(req: ChatCompletionRequest | CompletionRequest,
+                           params: StructuredOutputsParams | None,
                            whitespace: str | None) -> StructuredOutputsParams | None:
     """The server's JSON whitespace default (vLLM's --structured-outputs-config
-    disable_any_whitespace: "compact") on a constraint that left whitespace at its
-    default; a request's own whitespace / whitespace_pattern stays."""
-    if params is None or whitespace is None or params.whitespace_pattern is not None \
-            or params.whitespace == whitespace:
+    disable_any_whitespace: "compact") on the constraint of a request that says
+    nothing about whitespace; a request's own (structured_outputs' whitespace fields,
+    guided_whitespace_pattern, a guided_decoding_backend option) stays."""
+    if params is None or whitespace is None:
         return params
-    default = StructuredOutputsParams(json={})
-    if params.whitespace != default.whitespace or params.max_whitespace != default.max_whitespace:
-        return params
-    return msgspec.structs.replace(params, whitespace=whitespace)
+    named = _WHITESPACE_FIELDS & set(req.structured_outputs or {}) \
+        or req.guided_whitespace_pattern is not None \
+        or "whitespace" in (req.guided_decoding_backend or "")
+    return params if named else msgspec.structs.replace(params, whitespace=whitespace)
 
 
 def validate_constraint(params: StructuredOutputsParams, source: str,

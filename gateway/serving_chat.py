@@ -82,7 +82,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
                           param="continue_final_message")
     mode = resolve_tool_mode(req, state.tool_format)
     structured, source = structured_from_request(req, mode)
-    structured = with_server_whitespace(structured, state.options.structured_whitespace)
+    structured = with_server_whitespace(req, structured, state.options.structured_whitespace)
     if req.use_beam_search:
         check_beam_request(req, source, chat=True)
     if structured is not None:

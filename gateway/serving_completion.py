@@ -105,7 +105,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     # best_of ranks candidates by cumulative logprob: the chosen tokens' logprobs are needed
     engine_lp = req.logprobs if req.logprobs is not None or best_of == req.n else 0
     structured, source = structured_from_request(req)
-    structured = with_server_whitespace(structured, state.options.structured_whitespace)
+    structured = with_server_whitespace(req, structured, state.options.structured_whitespace)
     if req.use_beam_search:
         check_beam_request(req, source, chat=False)
     if structured is not None:
