@@ -284,7 +284,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's: reaches the chat template as `reasoning_effort` (templates of models
     # with an effort setting read it; others ignore it), as vLLM passes it
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     # vLLM's: false leaves the thinking out of the answer (it is still generated)
     include_reasoning: bool | None = None        # None: true
     # vLLM's: the request's own template, under --trust-request-chat-template only

@@ -25,7 +25,7 @@ class TokenizeChatRequest(RequestModel):
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None          # under --trust-request-chat-template only
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool = True

@@ -53,7 +53,7 @@ INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content",
             "file_search_call.results", "web_search_call.results",
             "web_search_call.action.sources", "message.input_image.image_url",
             "computer_call_output.output.image_url", "code_interpreter_call.outputs")
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 REASONING_SUMMARIES = ("auto", "concise", "detailed")
 
 

@@ -130,7 +130,7 @@ def test_unsupported_options_are_400(fields, param):
 
 @pytest.mark.parametrize("fields, param", [({"background": True}, "background"),
                                            ({"conversation": "conv_1"}, "conversation"),
-                                           ({"reasoning": {"effort": "max"}}, "reasoning.effort"),
+                                           ({"reasoning": {"effort": "maximum"}}, "reasoning.effort"),
                                            ({"reasoning": {"effort": "low", "depth": 3}},
                                             "reasoning.depth"),
                                            ({"reasoning": {"summary": "long"}}, "reasoning.summary"),

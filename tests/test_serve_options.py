@@ -98,7 +98,8 @@ def test_request_chat_template_when_trusted(flags_server, tiny_model_dir):
         "reasoning_effort": "high"}).json()
     assert tok["count"] == prompt_tokens(reasoning_effort="high")
     assert prompt_tokens(reasoning_effort="xhigh") == low     # OpenAI's newest level
-    wrong = _chat(flags_server, reasoning_effort="max")
+    assert prompt_tokens(reasoning_effort="max") == low       # vLLM's (DeepSeek V4)
+    wrong = _chat(flags_server, reasoning_effort="maximum")
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "reasoning_effort"
 
 
