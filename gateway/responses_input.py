@@ -188,6 +188,14 @@ def chat_response_format(text: dict | None) -> dict | None:
                       f"got {kind!r}", param="text.format.type")
 
 
+# vLLM's extra request fields of /v1/responses, the chat request's own (ResponsesRequest)
+VLLM_EXTRAS = ("seed", "stop", "stop_token_ids", "top_k", "min_p", "min_tokens",
+               "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+               "bad_words", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+               "structured_outputs", "chat_template_kwargs", "include_reasoning", "priority",
+               "cache_salt")
+
+
 def chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
     """The chat request for `conversation` (history + this input) under `req`'s options."""
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else [])
@@ -199,6 +207,7 @@ def chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatComplet
             "user": req.user, "reasoning_effort": (req.reasoning or {}).get("effort")}
     if wants_logprobs(req):
         body |= {"logprobs": True, "top_logprobs": req.top_logprobs or 0}
+    body |= {name: value for name in VLLM_EXTRAS if (value := getattr(req, name)) is not None}
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
@@ -219,10 +228,14 @@ def _renamed(text: str) -> str | None:
 
 
 def responses_error(err: APIError) -> APIError:
-    """`err` from the chat path with its field named as in the Responses request."""
+    """`err` from the chat path with its field named as in the Responses request (also
+    where the message names the chat's response_format beside another field)."""
     new_param = _renamed(err.param) if err.param else None
     if new_param is None:
-        return err
+        if "response_format" not in err.message:
+            return err
+        return APIError(err.status, err.message.replace("response_format", "text.format"),
+                        type=err.type, param=err.param, code=err.code)
     message = err.message
     if message.startswith(err.param + ":"):
         message = new_param + message[len(err.param):]

@@ -128,6 +128,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
         raise responses_error(blame(e, prep.source)) from None
     c = final.outputs[0]
     thinking, body = split_thinking(prep, c.text)
+    thinking = thinking if prep.include_reasoning else None     # vLLM's include_reasoning
     content, calls = parse_tool_output(prep.mode, body or "")
     items = output_items(content, calls, c.finish_reason == "length", thinking)
     if c.logprobs is not None:          # the tokens after the thinking
@@ -285,7 +286,8 @@ async def _stream(state: ServerState, store: ResponseStore, req: ResponsesReques
                 body, thinking = c.delta_text, None
                 if thinker is not None:
                     thinking, body = thinker.step(body, c.finish_reason is not None)
-                    for e in (w.reasoning(thinking) if thinking else []):
+                    for e in (w.reasoning(thinking) if thinking and prep.include_reasoning
+                              else []):
                         yield e
                 if c.delta_logprobs and not (thinking and not body):   # not the thinking's
                     pending += c.delta_logprobs

@@ -39,6 +39,27 @@ class ResponsesRequest(RequestModel):
     # a cap on built-in tool calls; formwork serves function tools only: nothing to cap
     max_tool_calls: int | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    # vLLM's sampling and constraint extras on /v1/responses: handed to the chat request
+    # as they are (validated there, errors named by these fields)
+    seed: Any = None
+    stop: Any = None
+    stop_token_ids: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    bad_words: Any = None
+    ignore_eos: Any = None
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    structured_outputs: Any = None
+    chat_template_kwargs: Any = None
+    include_reasoning: Any = None
+    priority: Any = None
+    cache_salt: Any = None
     # OpenAI fields formwork refuses when set (a 400 naming them, never ignored)
     background: bool | None = None
     conversation: Any = None

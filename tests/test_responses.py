@@ -274,7 +274,7 @@ class CharTokenizer:
 
 
 async def _collect(engine: FakeEngine, store: ResponseStore,
-                   reasoning: str | None = None) -> list[dict]:
+                   reasoning: str | None = None, include_reasoning: bool = True) -> list[dict]:
     from formwork.gateway.metrics import Metrics, RequestTimer
     from formwork.gateway.serving import ServerState
     from formwork.gateway.serving_chat import PreparedChat
@@ -286,7 +286,7 @@ async def _collect(engine: FakeEngine, store: ResponseStore,
                         max_model_len=64, metrics=Metrics("m"))
     req = ResponsesRequest(input="hi", stream=True)
     prep = PreparedChat("m", "p", [1, 2, 3], SamplingParams(max_tokens=3), ToolMode("none", ()),
-                        None, reasoning=reasoning)
+                        None, reasoning=reasoning, include_reasoning=include_reasoning)
     conversation = input_messages(req.input)
     return _events([e async for e in _stream(state, store, req, prep, conversation,
                                               _base(req, "m"), RequestTimer())])
@@ -400,6 +400,45 @@ def test_create_plain(client, model):
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
+
+
+@slow
+def test_vllms_extra_fields_reach_the_generation(client, model):
+    """vLLM's extras on /v1/responses (extra_body): a structured_outputs constraint,
+    stop strings, a seed; beside text.format or tools, one constraint per request.
+    They were dropped without a word."""
+    ask = "Is the sky blue? Answer yes or no."
+    for stream in (False, True):
+        kw = dict(model=model, input=ask, max_output_tokens=8, temperature=1.0,
+                  extra_body={"structured_outputs": {"choice": ["maybe", "never"]}})
+        if stream:
+            with client.responses.stream(**kw) as s:
+                for _ in s:
+                    pass
+                text = s.get_final_response().output_text
+        else:
+            text = client.responses.create(**kw).output_text
+        assert text in ("maybe", "never"), text
+    free = client.responses.create(model=model, input="Count: one, two, three, four, five.",
+                                   max_output_tokens=24, temperature=0)
+    cut = client.responses.create(model=model, input="Count: one, two, three, four, five.",
+                                  max_output_tokens=24, temperature=0, extra_body={"stop": [","]})
+    assert "," not in cut.output_text and free.output_text.startswith(cut.output_text)
+    # the first run fills the prefix cache; later ones hit it (bf16: the same shapes, so
+    # the same logits; README "Reproducibility")
+    seeded = [client.responses.create(model=model, input="Tell me a story.", max_output_tokens=12,
+                                      temperature=1.0, extra_body={"seed": 7}).output_text
+              for _ in range(3)]
+    assert seeded[1] == seeded[2]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input=ask, max_output_tokens=4,
+                                text={"format": {"type": "json_object"}},
+                                extra_body={"structured_outputs": {"regex": "[0-9]+"}})
+    assert e.value.param == "structured_outputs" and "text.format" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input=ask, max_output_tokens=4,
+                                extra_body={"top_k": "many"})
+    assert e.value.param == "top_k"
 
 
 @slow
@@ -594,6 +633,20 @@ def test_stream_splits_thinking_into_a_reasoning_item(reason):
     # the thinking's tokens: re-tokenized up to its end tag; all of them when cut inside it
     thinking_tokens = len("<think>Let me</think>") if reason == "stop" else len("".join(pieces))
     assert resp["usage"]["output_tokens_details"] == {"reasoning_tokens": thinking_tokens}
+
+
+def test_include_reasoning_false_leaves_the_reasoning_item_out():
+    """vLLM's include_reasoning false: no reasoning item or events, the same answer;
+    the thinking's tokens are still counted."""
+    import asyncio
+    pieces = ["<think>Let", " me</th", "ink>\n\n", "Hel", "lo"]
+    events = asyncio.run(_collect(FakeEngine(pieces, reason="stop"), ResponseStore(),
+                                  reasoning="qwen3", include_reasoning=False))
+    assert not any("reasoning" in e["type"] for e in events)
+    resp = events[-1]["response"]
+    assert [i["type"] for i in resp["output"]] == ["message"]
+    assert resp["output"][0]["content"][0]["text"] == "Hello"
+    assert resp["usage"]["output_tokens_details"] == {"reasoning_tokens": len("<think>Let me</think>")}
 
 
 def test_reasoning_items_sent_back_are_left_out():
