@@ -100,7 +100,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
         build_chat_prompt, req.messages, mode, template_kwargs(state, req),
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-        add_special_tokens=bool(req.add_special_tokens))
+        add_special_tokens=req.add_special_tokens)
     kept = truncated_prompt(ids, req.truncate_prompt_tokens, state.max_model_len,
                             req.truncation_side)
     if len(kept) < len(ids):
@@ -119,8 +119,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     check_max_logprobs(params, state.options.max_logprobs, "top_logprobs")
     return PreparedChat(model, prompt, ids, params, mode, source,
                         req.return_tokens_as_token_ids or state.options.return_tokens_as_token_ids,
-                        _reasoning(state, req, mode, prompt, params), bool(req.return_token_ids),
-                        req.include_reasoning is not False, req.legacy_functions)
+                        _reasoning(state, req, mode, prompt, params), req.return_token_ids,
+                        req.include_reasoning, req.legacy_functions)
 
 
 def _reasoning(state: ServerState, req: ChatCompletionRequest, mode: ToolMode, prompt: str,

@@ -112,7 +112,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
         await check_constraint(state.constraints, structured, source,
                                 state.engine.config.structured_backend)
     prompts = await state.run_tokenizer(_prompts, state, req.prompt, req.truncate_prompt_tokens,
-                                        req.add_special_tokens is not False, req.truncation_side)
+                                        req.add_special_tokens, req.truncation_side)
     params = [sampling_params(req, max_tokens=context_max_tokens(
                   len(ids), req.max_tokens, state.max_model_len, "prompt",
                   state.default_sampling.get("max_tokens")),
@@ -129,7 +129,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     return PreparedCompletion(model, prompts, params, source, req.n, best_of, req.echo,
                               req.logprobs, shown_plp is not None,
                               req.return_tokens_as_token_ids
-                              or state.options.return_tokens_as_token_ids, bool(req.return_token_ids))
+                              or state.options.return_tokens_as_token_ids, req.return_token_ids)
 
 
 def _usage(prep: PreparedCompletion, finals: list[RequestOutput]) -> UsageInfo:

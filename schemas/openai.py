@@ -140,6 +140,8 @@ class ChatMessage(RequestModel):
 # ignored what it asked for. Fields that change nothing formwork does (length_penalty
 # without beam search, spaces_between_special_tokens, kv_transfer_params,
 # vllm_xargs, request_id...) stay ignored.
+# the value of an _UNSERVED field that asks for nothing, beyond null/false/empty
+_UNSERVED_OFF = {"thinking_token_budget": -1}       # vLLM's "unlimited"
 _UNSERVED = {
     "logits_processors": "custom logits processors are not served",
     "prompt_embeds": "prompt embeddings are not served; send text or token ids",
@@ -162,8 +164,7 @@ def _refuse_unserved(data: Any, table: dict[str, str]) -> None:
     if isinstance(data, dict):
         for name, why in table.items():
             value = data.get(name)
-            if value not in (None, False, [], {}, "") and \
-                    not (name == "thinking_token_budget" and value == -1):
+            if value not in (None, False, [], {}, "", _UNSERVED_OFF.get(name, None)):
                 raise ParamError(name, why)
 
 
@@ -199,7 +200,7 @@ class _SamplingFields(RequestModel):
     return_tokens_as_token_ids: bool = False
     # vLLM's: the response carries the prompt's token ids and each choice's output ids
     # (streamed: the prompt's in the first chunk, then each chunk's new ids)
-    return_token_ids: bool | None = None
+    return_token_ids: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -286,15 +287,15 @@ class ChatCompletionRequest(_SamplingFields):
     # with an effort setting read it; others ignore it), as vLLM passes it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     # vLLM's: false leaves the thinking out of the answer (it is still generated)
-    include_reasoning: bool | None = None        # None: true
+    include_reasoning: bool = True
     # vLLM's: the request's own template, under --trust-request-chat-template only
     chat_template: str | None = None
     # vLLM's: no new assistant turn / continue the last (assistant) message instead
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # vLLM's: the tokenizer's special tokens (BOS) on top of the template's own; off
-    # (also when null), as the template writes them
-    add_special_tokens: bool | None = False
+    # vLLM's: the tokenizer's special tokens (BOS) on top of the template's own; off, as
+    # the template writes them
+    add_special_tokens: bool = False
 
 
 # What the server takes as a prompt (gateway/serving_completion.py refuses the
@@ -315,8 +316,8 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     # vLLM's: a text prompt is tokenized with the tokenizer's special tokens (the BOS
     # of Llama-3 or Mistral tokenizers), as vLLM and transformers do by default; token
-    # id prompts are taken as they are (null: that default)
-    add_special_tokens: bool | None = True
+    # id prompts are taken as they are
+    add_special_tokens: bool = True
     # at least n (not expressible in JSON Schema: checked by the server)
     best_of: int | None = Field(default=None, json_schema_extra={"minimum": 1, "maximum": MAX_N})
 
