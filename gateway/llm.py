@@ -67,6 +67,8 @@ def vllm_engine_kwargs(kwargs: dict) -> dict:
             value = out.pop(name)
             if value != default and not (name == "tokenizer" and value == out.get("model")):
                 raise ValueError(f"{name}: only {default!r} is supported ({why}), got {value!r}")
+    if "distributed_executor_backend" in out and out["distributed_executor_backend"] is None:
+        del out["distributed_executor_backend"]          # vLLM's None: its default
     so = out.pop("structured_outputs_config", None)
     backend = out.pop("guided_decoding_backend", None)
     if so is not None:
@@ -98,8 +100,18 @@ def _engine_process_default() -> bool:
 
 class LLM:
     def __init__(self, model: str | None = None, *, engine_process: bool | None = None,
-                 step_hooks: StepHooks | None = None, **engine_kwargs):
+                 step_hooks: StepHooks | None = None, generation_config: str = "auto",
+                 override_generation_config: dict | None = None, **engine_kwargs):
+        """`generation_config` / `override_generation_config`: vLLM's, where the default
+        sampling parameters come from ("auto": the model folder's
+        generation_config.json, "vllm": none, or a folder's; the override on top)."""
         self.config = EngineConfig(**vllm_engine_kwargs({"model": model, **engine_kwargs}))
+        from formwork.gateway.serve_options import generation_defaults, generation_eos_ids
+        from formwork.gpu.model_files import resolve_model
+        folder = str(resolve_model(self.config.model, weights=False))
+        # checked now: a folder without the file or a bad override key fails the start
+        self._default_sampling = generation_defaults(generation_config, folder,
+                                                     override_generation_config)
         if engine_process is None:
             engine_process = _engine_process_default()
         self._release = lambda: None
@@ -119,11 +131,8 @@ class LLM:
             self.engine = EngineCore(self.config, hooks=step_hooks)
         self.tokenizer = self.engine.tokenizer
         self._processor = OutputProcessor(self.tokenizer)
-        from formwork.gateway.serve_options import generation_eos_ids
-        from formwork.gpu.model_files import resolve_model
         # the generation config's end ids beside the tokenizer's stop every request (as vLLM)
-        self._extra_stop = generation_eos_ids(str(resolve_model(self.config.model, weights=False)),
-                                              self.tokenizer.eos_token_id)
+        self._extra_stop = generation_eos_ids(folder, self.tokenizer.eos_token_id)
         self._ids = itertools.count()
 
     # -- prompts ----------------------------------------------------------
@@ -347,15 +356,11 @@ class LLM:
                 for s in searches]
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's: the model folder's generation_config.json sampling values
-        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as
-        max_tokens) over SamplingParams' defaults; `generate` uses them when given no
-        sampling_params."""
-        from formwork.gateway.serve_options import generation_defaults
-        from formwork.gpu.model_files import resolve_model
-        found = generation_defaults("auto", str(resolve_model(self.config.model, weights=False)),
-                                    None)
-        return SamplingParams(**found)
+        """vLLM's: the generation config's sampling values (temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens as max_tokens; `generation_config`
+        picks the file) over SamplingParams' defaults; `generate` uses them when given
+        no sampling_params."""
+        return SamplingParams(**self._default_sampling)
 
     def get_tokenizer(self):
         """The engine's Hugging Face tokenizer (as vLLM's `LLM.get_tokenizer()`)."""

@@ -292,3 +292,36 @@ def test_vllm_structured_outputs_flags(llm):
     assert done
     for text in done:
         assert not any(ch.isspace() for ch in text) and set(json.loads(text)) == {"a", "b"}, text
+
+
+def test_default_sampling_params_follow_the_generation_config(tiny_model_dir, tmp_path):
+    """vLLM's LLM(generation_config=..., override_generation_config=...): where
+    get_default_sampling_params (and generate without sampling_params) take their
+    values; "vllm" takes none; a folder without the file fails the start."""
+    import json
+    import shutil
+
+    from formwork import LLM
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.3, "top_k": 7, "max_new_tokens": 5, "eos_token_id": 2}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    small = dict(engine_process=False, dtype="float32", num_kv_blocks=16, block_size=8,
+                 distributed_executor_backend=None)
+    for kwargs, want in (({}, (0.3, 7, 5, 1.0)), ({"generation_config": "vllm"}, (1.0, 0, 16, 1.0)),
+                         ({"generation_config": str(other)}, (1.0, 0, 16, 0.5)),
+                         ({"override_generation_config": {"top_k": 3}}, (0.3, 3, 5, 1.0))):
+        llm = LLM(str(folder), **small, **kwargs)
+        try:
+            sp = llm.get_default_sampling_params()
+            assert (sp.temperature, sp.top_k, sp.max_tokens, sp.top_p) == want, kwargs
+            if not kwargs:
+                assert len(llm.generate("Hello")[0].outputs[0].token_ids) <= 5
+        finally:
+            llm.shutdown()
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(str(folder), **small, generation_config=str(tmp_path / "none"))
