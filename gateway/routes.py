@@ -93,8 +93,11 @@ async def detokenize_route(body: DetokenizeRequest, request: Request):
     return JSONResponse(detokenize(_state(request), body).model_dump(mode="json"))
 
 
+# /ping: vLLM's (SageMaker's health check); one operation id per method (a shared
+# one made the published OpenAPI document invalid: operation ids are unique)
 @router.get("/health")
-@router.api_route("/ping", methods=["GET", "POST"])     # vLLM's (SageMaker's health check)
+@router.get("/ping", operation_id="ping_get")
+@router.post("/ping", operation_id="ping_post")
 async def health(request: Request):
     """200 {"status": "ready"} while the engine answers (data parallel: while
     any engine answers; "engines" lists each one's state, pid and restarts);

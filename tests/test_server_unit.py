@@ -486,6 +486,16 @@ def test_openapi_says_400_not_422(app_client):
     assert _body_error(app_client.post("/v1/completions", json={}))["param"] == "prompt"
 
 
+def test_openapi_operation_ids_are_unique(app_client):
+    """OpenAPI requires each operationId once; /ping's GET and POST shared one (client
+    generators and schemathesis read them as keys)."""
+    spec = app_client.get("/openapi.json").json()
+    ids = [op["operationId"] for item in spec["paths"].values() for op in item.values()
+           if isinstance(op, dict) and "operationId" in op]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    assert {"get", "post"} <= set(spec["paths"]["/ping"])
+
+
 def test_405_says_allow(app_client):
     r = app_client.post("/v1/models")
     assert _body_error(r, 405) and r.headers["Allow"] == "GET"
