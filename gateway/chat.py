@@ -26,7 +26,7 @@ from typing import Any
 
 from formwork.gateway.errors import bad_request
 from formwork.gateway.tools import HERMES, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolFormat, ToolMode
-from formwork.schemas.openai import ChatMessage, ToolCall
+from formwork.schemas.openai import CUSTOM_INPUT, ChatMessage, ToolCall
 
 TOOLS_PROMPT = (
     "# Tools\n\n"
@@ -93,11 +93,13 @@ def _arguments_obj(arguments: str) -> Any:
 _ROLES = {"developer": "system", "function": "tool"}
 
 
-def _calls(msg: ChatMessage) -> list[ToolCall]:
-    """The message's tool calls; a legacy `function_call` is one."""
-    if msg.tool_calls:
-        return msg.tool_calls
-    return [ToolCall(function=msg.function_call)] if msg.function_call else []
+def _calls(msg: ChatMessage) -> list[tuple[ToolCall, str, Any]]:
+    """The message's tool calls as (call, name, arguments object); a legacy
+    `function_call` is one; a custom tool's call is the function it is shown as (its
+    input the one argument: gateway/tools.py)."""
+    calls = msg.tool_calls or ([ToolCall(function=msg.function_call)] if msg.function_call else [])
+    return [(c, c.custom.name, {CUSTOM_INPUT: c.custom.input}) if c.type == "custom"
+            else (c, c.function.name, _arguments_obj(c.function.arguments)) for c in calls]
 
 
 def _spelled_message(msg: ChatMessage, text: str, fmt: ToolFormat = HERMES) -> dict:
@@ -105,9 +107,7 @@ def _spelled_message(msg: ChatMessage, text: str, fmt: ToolFormat = HERMES) -> d
     (calls in the server's format)."""
     role = _ROLES.get(msg.role, msg.role)
     if msg.role == "assistant" and (calls := _calls(msg)):
-        spelled = fmt.separator.join(fmt.spell(c.function.name,
-                                               _arguments_obj(c.function.arguments))
-                                     for c in calls)
+        spelled = fmt.separator.join(fmt.spell(name, args) for _, name, args in calls)
         text = "\n".join(([text] if text else []) + [spelled])
     if role == "tool":
         text = f"<tool_response>\n{text}\n</tool_response>"
@@ -118,9 +118,8 @@ def _native_message(msg: ChatMessage, text: str) -> dict:
     out: dict[str, Any] = {"role": _ROLES.get(msg.role, msg.role), "content": text}
     if calls := _calls(msg):
         out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name,
-                                           "arguments": _arguments_obj(c.function.arguments)}}
-                             for c in calls]
+                              "function": {"name": name, "arguments": args}}
+                             for c, name, args in calls]
     if msg.tool_call_id:
         out["tool_call_id"] = msg.tool_call_id
     if msg.name:

@@ -83,8 +83,9 @@ def _validated(model, value, where: str):
     (`messages[1].role: Input should be ...`) instead of pydantic's report."""
     from pydantic import ValidationError
 
-    try:
-        return model.model_validate(value)
+    try:        # a model class, or a TypeAdapter of a union of them
+        validate = getattr(model, "model_validate", None) or model.validate_python
+        return validate(value)
     except ValidationError as e:
         from formwork.gateway.errors import describe_validation_errors
 
@@ -294,14 +295,17 @@ class LLM:
         from formwork.gateway.chat import build_chat_prompt
         from formwork.gateway.errors import APIError
         from formwork.gateway.tools import ToolMode
-        from formwork.schemas.openai import ChatCompletionTool, ChatMessage
+        from pydantic import TypeAdapter
+
+        from formwork.schemas.openai import AnyTool, ChatMessage
 
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: set add_generation_prompt=False with it "
                              "(as vLLM), the last message is continued instead of a new turn")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        any_tool = TypeAdapter(AnyTool)
         mode = ToolMode("auto" if tools else "none", tuple(
-            _validated(ChatCompletionTool, t, f"tools[{i}]").function for i, t in enumerate(tools or ())))
+            _validated(any_tool, t, f"tools[{i}]").definition() for i, t in enumerate(tools or ())))
         kwargs = dict(chat_template_kwargs or {})
         if chat_template is not None:
             kwargs["chat_template"] = chat_template

@@ -51,7 +51,7 @@ from formwork.gateway.tool_parser import parse_tool_output
 from formwork.gateway.tools import ToolMode, parameters_schema, tag_answer
 from formwork.grammar.regex_classes import re_classes
 from formwork.grammar.schema_walk import validator_class
-from formwork.schemas.openai import OutputCheck
+from formwork.schemas.openai import CUSTOM_INPUT, OutputCheck
 from formwork.schemas.structured import StructuredOutputsParams
 
 _VALIDATOR_CACHE_SIZE = 256
@@ -268,10 +268,13 @@ def _calls_error(mode: ToolMode, text: str, answer: Any) -> str | None:
         return _json_error(text, answer) if answer is not None else None
     tools = {t.name: t for t in mode.tools}
     for i, call in enumerate(calls):
-        fn = tools.get(call.function.name)
+        fn = tools.get(call.name)
         if fn is None:
-            return f"tool_calls[{i}]: unknown function {call.function.name!r}"
-        error = _json_error(call.function.arguments, parameters_schema(fn))
+            return f"tool_calls[{i}]: unknown function {call.name!r}"
+        # a custom tool's input is checked as the one argument it was generated as
+        arguments = call.function.arguments if call.type == "function" else \
+            json.dumps({CUSTOM_INPUT: call.custom.input})
+        error = _json_error(arguments, parameters_schema(fn))
         if error is not None:
             return f"tool_calls[{i}] ({fn.name}) arguments: {error}"
     return None

@@ -1,11 +1,12 @@
 """Responses API request -> the chat-completions request it means (pure functions).
 
 `input` items become chat messages: `message` items keep their role (content a
-string or input_text / output_text parts), consecutive `function_call` items
-become one assistant message's tool_calls, a `function_call_output` a tool
-message. `instructions` is a system message first (never stored: OpenAI does not
-carry it over to a `previous_response_id` continuation). `text.format`, function
-`tools` and `tool_choice` take the chat shapes, so the chat path builds the same
+string or input_text / output_text parts), consecutive `function_call` and
+`custom_tool_call` items become one assistant message's tool_calls, a
+`function_call_output` (`custom_tool_call_output`) a tool message. `instructions`
+is a system message first (never stored: OpenAI does not carry it over to a
+`previous_response_id` continuation). `text.format`, function and custom `tools`
+and `tool_choice` take the chat shapes, so the chat path builds the same
 constraint. Every refusal is a 400 naming the Responses field; errors the chat
 path raises are renamed to it by `responses_error`.
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from formwork.gateway.errors import APIError, bad_request
+from formwork.gateway.errors import APIError, bad_request, describe_validation_errors
 from formwork.schemas.openai import ChatCompletionRequest
 from formwork.schemas.responses import (INCLUDES, REASONING_EFFORTS, REASONING_SUMMARIES,
                                         UNSUPPORTED_FIELDS, ResponsesRequest)
@@ -29,7 +30,7 @@ _RENAMES = (("response_format.json_schema.schema", "text.format.schema"),
             ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
             ("max_completion_tokens", "max_output_tokens"), ("messages", "input"),
             ("reasoning_effort", "reasoning.effort"))
-_CHAT_TOOL = re.compile(r"^tools\[(\d+)\]\.function((?:[.\[].*)?)$")
+_CHAT_TOOL = re.compile(r"^tools\[(\d+)\]\.(?:function|custom)((?:[.\[].*)?)$")
 
 
 def check_supported(req: ResponsesRequest) -> None:
@@ -97,10 +98,15 @@ def _string(item: dict, key: str, i: int) -> str:
 
 
 def _add_call(messages: list[dict], item: dict, i: int) -> None:
-    """A function_call item joins the assistant message just before it, if any."""
-    call = {"id": _string(item, "call_id", i), "type": "function",
-            "function": {"name": _string(item, "name", i),
-                         "arguments": _string(item, "arguments", i)}}
+    """A function_call (or custom_tool_call) item joins the assistant message just
+    before it, if any."""
+    if item.get("type") == "custom_tool_call":
+        call = {"id": _string(item, "call_id", i), "type": "custom",
+                "custom": {"name": _string(item, "name", i), "input": _string(item, "input", i)}}
+    else:
+        call = {"id": _string(item, "call_id", i), "type": "function",
+                "function": {"name": _string(item, "name", i),
+                             "arguments": _string(item, "arguments", i)}}
     last = messages[-1] if messages else None
     if last is None or last["role"] != "assistant":
         last = {"role": "assistant", "content": None}
@@ -117,36 +123,52 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict]:
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(item, i))
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             _add_call(messages, item, i)
         elif kind == "reasoning":
             continue    # an earlier turn's thinking: chat templates leave it out of history
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
                              "content": _text(output if output is not None else "",
                                               f"input[{i}].output")})
         else:
             raise bad_request(f"input[{i}].type: {kind!r} items are not supported; this server "
-                              "takes message, function_call, function_call_output and "
-                              "reasoning items", 
+                              "takes message, function_call, function_call_output, "
+                              "custom_tool_call, custom_tool_call_output and reasoning items",
                               param=f"input[{i}].type")
     if not messages:
         raise bad_request("input: at least one item is required", param="input")
     return messages
 
 
+def _custom_format(fmt: Any) -> Any:
+    """A Responses custom tool's `format` (the grammar's fields flat) in the chat shape
+    (`grammar: {definition, syntax}`); anything else as it is, for the chat request's
+    checks to name."""
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar":
+        return {"type": "grammar", "grammar": {k: fmt.get(k) for k in ("definition", "syntax")}}
+    return fmt
+
+
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Responses function tools -> chat tools; built-in tools are a 400."""
+    """Responses function and custom tools -> chat tools; built-in tools are a 400."""
     if tools is None:
         return None
     out = []
     for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
+        if tool.get("type") not in ("function", "custom"):
             raise bad_request(f"tools[{i}].type: {tool.get('type')!r} tools are not supported; "
-                              "this server runs function tools only", param=f"tools[{i}].type")
+                              "this server runs function and custom tools only",
+                              param=f"tools[{i}].type")
         if not isinstance(tool.get("name"), str):
             raise bad_request(f"tools[{i}].name: a string is required", param=f"tools[{i}].name")
+        if tool["type"] == "custom":
+            custom = {k: tool[k] for k in ("name", "description") if tool.get(k) is not None}
+            if tool.get("format") is not None:
+                custom["format"] = _custom_format(tool["format"])
+            out.append({"type": "custom", "custom": custom})
+            continue
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict")
               if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
@@ -156,17 +178,18 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
 def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
     if choice is None or choice in ("none", "auto", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" \
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom") \
             and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        return {"type": choice["type"], choice["type"]: {"name": choice["name"]}}
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools" \
             and isinstance(choice.get("tools"), list):       # the chat shape, names nested
         return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": [
-            {"type": t.get("type"), "function": {"name": t.get("name")}} if isinstance(t, dict)
-            else t for t in choice["tools"]]}}
+            {"type": t.get("type"),
+             "custom" if t.get("type") == "custom" else "function": {"name": t.get("name")}}
+            if isinstance(t, dict) else t for t in choice["tools"]]}}
     raise bad_request(f"tool_choice: must be 'none', 'auto', 'required', "
-                      f"{{'type': 'function', 'name': ...}} or {{'type': 'allowed_tools', "
-                      f"'mode': ..., 'tools': [...]}}, got {json.dumps(choice)}",
+                      f"{{'type': 'function' or 'custom', 'name': ...}} or {{'type': "
+                      f"'allowed_tools', 'mode': ..., 'tools': [...]}}, got {json.dumps(choice)}",
                       param="tool_choice")
 
 
@@ -211,16 +234,14 @@ def chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatComplet
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}"
-                        for p in first.get("loc", ())).lstrip(".")
-        param = _renamed(where) or where
-        raise bad_request(f"{param}: {first.get('msg')}", param=param) from None
+        param, text = describe_validation_errors(e.errors())
+        raise responses_error(bad_request(text, param=param)) from None
 
 
 def _renamed(text: str) -> str | None:
-    if m := _CHAT_TOOL.match(text):           # Responses tools are flat: tools[i].parameters
-        return f"tools[{m.group(1)}]{m.group(2)}"
+    if m := _CHAT_TOOL.match(text):           # Responses tools are flat: tools[i].parameters,
+        rest = re.sub(r"^\.format\.grammar(?=$|[.\[])", ".format", m.group(2))  # .format.syntax
+        return f"tools[{m.group(1)}]{rest}"
     for old, new in _RENAMES:
         if text == old or text.startswith((old + ".", old + "[")):
             return new + text[len(old):]

@@ -26,7 +26,7 @@ from formwork.gateway.serving import (ServerState, TokenText, blame, generate_fi
                              run_until_disconnect, sse, sse_error, stream_outputs)
 from formwork.gateway.completion_logprobs import prompt_logprobs_field
 from formwork.gateway.tool_parser import ToolStreamParser, finish_reason_with_tools, parse_tool_output
-from formwork.gateway.tools import ToolMode, parameters_schema, resolve_tool_mode
+from formwork.gateway.tools import ToolMode, custom_constraint, parameters_schema, resolve_tool_mode
 from formwork.schemas.engine import TokenLogprobs
 from formwork.schemas.openai import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                             ChatCompletionResponse, ChatStreamChoice, ChoiceLogprobs, DeltaMessage,
@@ -61,14 +61,27 @@ def _texts(content) -> list[str]:
 
 async def _blame_a_tool(state: ServerState, req: ChatCompletionRequest, mode: ToolMode) -> None:
     """The combined tool constraint was refused: raise the first tool's own refusal,
-    named `tools[i].function.parameters` with its path inside that schema (the
-    combined one's error points into formwork's wrapper: `$.format.tags[0]...`, or a
-    call list's `minItems`). Returns where no tool fails alone (the answer format)."""
-    index = {t.function.name: i for i, t in enumerate(req.tools or ())}
+    named `tools[i].function.parameters` with its path inside that schema, or a custom
+    tool's `tools[i].custom.format.grammar.definition` (the combined one's error
+    points into formwork's wrapper: `$.format.tags[0]...`, or a call list's
+    `minItems`). Returns where no tool fails alone (the answer format)."""
+    index = {t.name: i for i, t in enumerate(req.tools or ())}
+    backend = state.engine.config.structured_backend
     for fn in mode.tools:
-        where = f"tools[{index.get(fn.name, 0)}].function.parameters"
+        if mode.kind == "named" and fn.name != mode.name:
+            continue
+        i = index.get(fn.name, 0)
+        if fn.name in mode.custom:      # a custom tool: its grammar as it is, then as a call's
+            if (grammar := mode.custom[fn.name]) is None:
+                continue
+            where = f"tools[{i}].custom.format.grammar.definition"
+            await check_constraint(state.constraints, custom_constraint(grammar), where, backend)
+            if mode.kind == "named":
+                continue
+        else:
+            where = f"tools[{i}].function.parameters"
         await check_constraint(state.constraints, StructuredOutputsParams(
-            json=parameters_schema(fn)), where, state.engine.config.structured_backend)
+            json=parameters_schema(fn)), where, backend)
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:

@@ -32,7 +32,8 @@ from formwork.gateway.serving_chat import (PreparedChat, chat_logprobs_obj, prep
                                            reasoning_tokens, split_thinking)
 from formwork.gateway.tool_parser import ToolStreamParser, parse_tool_output
 from formwork.schemas.openai import ToolCall
-from formwork.schemas.responses import (FunctionCallItem, IncompleteDetails, OutputItem,
+from formwork.schemas.responses import (CustomToolCallItem, FunctionCallItem, IncompleteDetails,
+                                        OutputItem,
                                         OutputMessage, OutputText, ReasoningItem, ReasoningText,
                                         ResponseObject, ResponsesRequest, ResponseUsage)
 
@@ -87,7 +88,9 @@ def output_items(content: str | None, calls: list[ToolCall], cut: bool,
         items.append(ReasoningItem(content=[ReasoningText(text=reasoning)]))
     if content or not calls:
         items.append(OutputMessage(content=[OutputText(text=content or "")]))
-    items += [FunctionCallItem(call_id=c.id, name=c.function.name, arguments=c.function.arguments)
+    items += [CustomToolCallItem(call_id=c.id, name=c.custom.name, input=c.custom.input)
+              if c.type == "custom" else
+              FunctionCallItem(call_id=c.id, name=c.function.name, arguments=c.function.arguments)
               for c in calls]
     if cut:
         items[-1].status = "incomplete"
@@ -99,7 +102,9 @@ def assistant_message(items: list[OutputItem]) -> dict:
     text = "".join(p.text for i in items if isinstance(i, OutputMessage) for p in i.content)
     calls = [{"id": i.call_id, "type": "function",
               "function": {"name": i.name, "arguments": i.arguments}}
-             for i in items if isinstance(i, FunctionCallItem)]
+             if isinstance(i, FunctionCallItem) else
+             {"id": i.call_id, "type": "custom", "custom": {"name": i.name, "input": i.input}}
+             for i in items if isinstance(i, (FunctionCallItem, CustomToolCallItem))]
     return {"role": "assistant", "content": text or None} | ({"tool_calls": calls} if calls else {})
 
 
@@ -215,13 +220,19 @@ class EventWriter:
         self.open.content[0].text += delta
         return out + [self.event("response.reasoning_text.delta", **self._where(), delta=delta)]
 
-    def call(self, call_id: str, name: str) -> list[str]:
-        return self.close("completed") + self._added(FunctionCallItem(call_id=call_id, name=name))
+    def call(self, call_id: str, name: str, custom: bool = False) -> list[str]:
+        item = CustomToolCallItem(call_id=call_id, name=name) if custom else \
+            FunctionCallItem(call_id=call_id, name=name)
+        return self.close("completed") + self._added(item)
 
     def arguments(self, delta: str) -> list[str]:
+        """More of the open call's arguments (a custom tool's: its input)."""
+        where = {k: v for k, v in self._where().items() if k != "content_index"}
+        if isinstance(self.open, CustomToolCallItem):
+            self.open.input += delta
+            return [self.event("response.custom_tool_call_input.delta", **where, delta=delta)]
         assert isinstance(self.open, FunctionCallItem)
         self.open.arguments += delta
-        where = {k: v for k, v in self._where().items() if k != "content_index"}
         return [self.event("response.function_call_arguments.delta", **where, delta=delta)]
 
     def close(self, status: str) -> list[str]:
@@ -240,6 +251,10 @@ class EventWriter:
                                       text=part.text))
             out.append(self.event("response.content_part.done", **self._where(),
                                   part=part.model_dump(mode="json")))
+        elif isinstance(item, CustomToolCallItem):
+            where = {k: v for k, v in self._where().items() if k != "content_index"}
+            out.append(self.event("response.custom_tool_call_input.done", **where,
+                                  input=item.input))
         else:
             where = {k: v for k, v in self._where().items() if k != "content_index"}
             out.append(self.event("response.function_call_arguments.done", **where,
@@ -261,6 +276,12 @@ class EventWriter:
         `logprobs`: the output_text logprobs that go with its text."""
         out = self.text(content, logprobs) if content else []
         for d in calls:
+            if d.custom is not None:
+                if d.id is not None:
+                    out += self.call(d.id, d.custom.name, custom=True)
+                if d.custom.input:
+                    out += self.arguments(d.custom.input)
+                continue
             if d.id is not None:
                 out += self.call(d.id, d.function.name)
             if d.function is not None and d.function.arguments:

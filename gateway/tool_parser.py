@@ -1,14 +1,17 @@
 """Tool calls parsed back out of an output, whole (`parse_tool_output`) or as it
 streams (`ToolStreamParser`), for the modes and the call formats (Hermes, Llama 3
 JSON) of gateway/tools.py: an unparseable call stays content, and without parallel
-calls only the first is kept.
+calls only the first is kept. A custom tool's call (written as a function with one
+string argument `input`, or under a named custom tool_choice the whole output) comes
+back as `{"type": "custom", "custom": {"name", "input"}}`.
 """
 from __future__ import annotations
 
 import json
 
 from formwork.gateway.tools import ToolFormat, ToolMode
-from formwork.schemas.openai import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from formwork.schemas.openai import (CUSTOM_INPUT, CustomCall, DeltaCustomCall, DeltaFunctionCall,
+                                     DeltaToolCall, FunctionCall, ToolCall)
 from formwork.schemas.openai_base import random_id
 
 
@@ -45,8 +48,31 @@ def _call_from_json(text: str) -> ToolCall | None:
     return ToolCall(function=FunctionCall(name=obj["name"], arguments=_compact(args)))
 
 
+def client_call(mode: ToolMode, call: ToolCall) -> ToolCall:
+    """`call` as the client sees it: a custom tool's call (parsed as the function it is
+    shown as) with its `input` string; any other call as it is."""
+    if call.type != "function" or call.function.name not in mode.custom:
+        return call
+    try:
+        value = json.loads(call.function.arguments).get(CUSTOM_INPUT)
+    except (json.JSONDecodeError, AttributeError):
+        value = None
+    # under its constraint the arguments are {"input": "..."}; anything else is passed
+    # on as written rather than lost
+    text = value if isinstance(value, str) else call.function.arguments
+    return ToolCall(id=call.id, type="custom", custom=CustomCall(name=call.function.name,
+                                                                 input=text))
+
+
 def parse_tool_output(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
     """Split a finished output into (content, tool calls). Unparseable calls stay content."""
+    content, calls = _parse(mode, text)
+    return content, [client_call(mode, c) for c in calls]
+
+
+def _parse(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
+    if mode.kind == "named" and mode.name in mode.custom:
+        return None, [ToolCall(type="custom", custom=CustomCall(name=mode.name, input=text))]
     if mode.kind == "named":
         # the arguments as generated (as vLLM's): the same text a stream sends piece by
         # piece, also where max_tokens cut it
@@ -180,6 +206,12 @@ class ToolStreamParser:
         return (rest or None), []
 
     def _named(self, delta: str) -> list[DeltaToolCall]:
+        if self.mode.name in self.mode.custom:          # the input, as generated
+            if self.num_calls == 0:
+                self.num_calls = 1
+                return [DeltaToolCall(index=0, id=random_id("call_"), type="custom",
+                                      custom=DeltaCustomCall(name=self.mode.name, input=delta))]
+            return [DeltaToolCall(index=0, custom=DeltaCustomCall(input=delta))] if delta else []
         if self.num_calls == 0:
             self.num_calls = 1
             head = DeltaToolCall(index=0, id=random_id("call_"), type="function",
@@ -190,9 +222,14 @@ class ToolStreamParser:
         return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))]
 
     def _whole(self, call: ToolCall) -> DeltaToolCall:
-        d = DeltaToolCall(index=self.num_calls, id=call.id, type="function",
-                          function=DeltaFunctionCall(name=call.function.name,
-                                                     arguments=call.function.arguments))
+        call = client_call(self.mode, call)
+        if call.type == "custom":
+            d = DeltaToolCall(index=self.num_calls, id=call.id, type="custom",
+                              custom=DeltaCustomCall(name=call.custom.name, input=call.custom.input))
+        else:
+            d = DeltaToolCall(index=self.num_calls, id=call.id, type="function",
+                              function=DeltaFunctionCall(name=call.function.name,
+                                                         arguments=call.function.arguments))
         self.num_calls += 1
         return d
 

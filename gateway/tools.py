@@ -33,16 +33,30 @@ per tool) and its local `$ref`s are rewritten to the new locations.
 
 `parallel_tool_calls=false` is enforced by the grammar in auto and required
 modes: at most one call can be generated, none is dropped afterwards.
+
+Custom tools (OpenAI's `{"type": "custom", "custom": {"name", "format"}}`: the
+input is one string, free or under a Lark grammar or a regex) are shown to the
+model, and written by it, as a function with one string argument `input`
+(`CustomTool.definition`), so every template and call format above carries them.
+Named (`{"type": "custom", "custom": {"name"}}`) the output is the input itself,
+under the tool's grammar as it is (a Lark grammar on llguidance, whose dialect
+OpenAI's is); under "auto"/"required" the input is a JSON string, constrained by
+the tool's regex (a `pattern`); a Lark grammar cannot be a JSON string's
+constraint, so a Lark tool that may be called there is a 400 naming its format.
+Calls come back as `{"type": "custom", "custom": {"name", "input"}}`
+(gateway/tool_parser.py).
 """
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from formwork.gateway.errors import bad_request
 from formwork.gateway.schema_embed import defs_prefix, embed_schema
-from formwork.schemas.openai import (AllowedToolsChoice, ChatCompletionRequest, FunctionDefinition,
+from formwork.schemas.openai import (AllowedToolsChoice, ChatCompletionRequest, CustomGrammar,
+                                     CustomTool, FunctionDefinition, NamedCustomToolChoice,
                                      NamedToolChoice)
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -100,6 +114,9 @@ class ToolMode:
     # every tool of the request where tool_choice `allowed_tools` narrows `tools` (the
     # ones that may be called) to a subset: the prompt lists them all
     listed: tuple[FunctionDefinition, ...] | None = None
+    # the custom tools of the request (among `tools`/`listed` as the functions they are
+    # shown as): name -> the grammar of its input (None: free text)
+    custom: Mapping[str, CustomGrammar | None] = field(default_factory=dict)
 
     @property
     def in_prompt(self) -> bool:
@@ -113,31 +130,57 @@ class ToolMode:
 def resolve_tool_mode(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> ToolMode:
     """Validate tools/tool_choice (400 naming `tool_choice`/`tools`) and pick the mode;
     `fmt`: the server's tool-call format."""
-    tools = tuple(t.function for t in req.tools or ())
+    tools = tuple(t.definition() for t in req.tools or ())
+    custom = {t.name: (t.custom.format.grammar if t.custom.format is not None else None)
+              for t in req.tools or () if isinstance(t, CustomTool)}
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tools: function names must be unique", param="tools")
+
+    def unknown(kind: str, name: str, param: str) -> None:
+        if name not in names or (name in custom) != (kind == "custom"):
+            of_kind = [n for n in names if (n in custom) == (kind == "custom")]
+            raise bad_request(f"{param}: {kind} tool {name!r} is not among the {kind} tools "
+                              f"({', '.join(of_kind) or 'none given'})", param=param)
+
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            raise bad_request(
-                f"tool_choice: function {choice.function.name!r} is not among the tools "
-                f"({', '.join(names) or 'none given'})", param="tool_choice")
-        return ToolMode("named", tools, choice.function.name, req.parallel_tool_calls, fmt)
-    if isinstance(choice, AllowedToolsChoice):
-        allowed = [ref.function.name for ref in choice.allowed_tools.tools]
-        unknown = [n for n in allowed if n not in names]
-        if unknown:
-            raise bad_request(f"tool_choice.allowed_tools.tools: function {unknown[0]!r} is not "
-                              f"among the tools ({', '.join(names) or 'none given'})",
-                              param="tool_choice.allowed_tools.tools")
+    if isinstance(choice, (NamedToolChoice, NamedCustomToolChoice)):
+        unknown(choice.type, choice.name, "tool_choice")
+        mode = ToolMode("named", tools, choice.name, req.parallel_tool_calls, fmt, custom=custom)
+    elif isinstance(choice, AllowedToolsChoice):
+        for ref in choice.allowed_tools.tools:
+            unknown(ref.type, ref.name, "tool_choice.allowed_tools.tools")
+        allowed = {ref.name for ref in choice.allowed_tools.tools}
         subset = tuple(t for t in tools if t.name in allowed)
-        return ToolMode(choice.allowed_tools.mode, subset, None, req.parallel_tool_calls, fmt,
-                        listed=tools)
-    if choice in ("required", "auto") and not tools and req.tool_choice is not None:
-        raise bad_request(f"tool_choice: {choice!r} needs a non-empty 'tools' list",
-                          param="tool_choice")
-    return ToolMode(choice, tools, None, req.parallel_tool_calls, fmt)
+        mode = ToolMode(choice.allowed_tools.mode, subset, None, req.parallel_tool_calls, fmt,
+                        listed=tools, custom=custom)
+    else:
+        if choice in ("required", "auto") and not tools and req.tool_choice is not None:
+            raise bad_request(f"tool_choice: {choice!r} needs a non-empty 'tools' list",
+                              param="tool_choice")
+        mode = ToolMode(choice, tools, None, req.parallel_tool_calls, fmt, custom=custom)
+    if mode.kind in ("auto", "required"):
+        for i, name in enumerate(names):
+            grammar = custom.get(name)
+            if grammar is not None and grammar.syntax == "lark" and \
+                    any(t.name == name for t in mode.tools):
+                raise bad_request(
+                    f"tools[{i}].custom.format: a Lark grammar is served when tool_choice names "
+                    f"this custom tool ({name!r}); under tool_choice {mode.kind!r} a call's "
+                    "input is a JSON string, which a Lark grammar cannot constrain (a regex "
+                    "grammar can)",
+                    param=f"tools[{i}].custom.format")
+    return mode
+
+
+def custom_constraint(grammar: CustomGrammar | None) -> StructuredOutputsParams | None:
+    """A named custom tool's input constraint: its regex, or its Lark grammar on
+    llguidance (Lark is that backend's language); None for free text."""
+    if grammar is None:
+        return None
+    if grammar.syntax == "regex":
+        return StructuredOutputsParams(regex=grammar.definition)
+    return StructuredOutputsParams(grammar=grammar.definition, backend="llguidance")
 
 
 def parameters_schema(fn: FunctionDefinition) -> dict:
@@ -191,6 +234,8 @@ def tool_constraint(mode: ToolMode,
     """The output constraint of `mode`; None when the output is unconstrained.
     `answer` (the response_format's constraint) is the alternative to tool calls in
     "auto" mode, and applies alone in "none" mode."""
+    if mode.kind == "named" and mode.name in mode.custom:
+        return custom_constraint(mode.custom[mode.name])
     if mode.kind == "named":
         fn = next(t for t in mode.tools if t.name == mode.name)
         return StructuredOutputsParams(json=parameters_schema(fn))

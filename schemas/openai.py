@@ -57,6 +57,80 @@ class ChatCompletionTool(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
+    @property
+    def name(self) -> str:
+        return self.function.name
+
+    def definition(self) -> FunctionDefinition:
+        return self.function
+
+
+class CustomGrammar(RequestModel):
+    definition: str
+    syntax: Literal["lark", "regex"]
+
+
+class CustomToolFormat(RequestModel):
+    """OpenAI's custom-tool input format: free text, or a Lark grammar (llguidance's
+    dialect, as OpenAI's) or a regex the input must match whole."""
+    type: Literal["text", "grammar"]
+    grammar: CustomGrammar | None = None
+
+    @model_validator(mode="after")
+    def _grammar_given(self) -> "CustomToolFormat":
+        if self.type == "grammar" and self.grammar is None:
+            raise PydanticCustomError("missing", "Field required when type is 'grammar': "
+                                      "`grammar` ({definition, syntax})")
+        return self
+
+
+class CustomToolDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    format: CustomToolFormat | None = None
+
+
+# the one argument a custom tool's input travels in where calls are JSON (the tools
+# prompt, chat templates, tool_choice auto / required): see gateway/tools.py
+CUSTOM_INPUT = "input"
+
+
+class CustomTool(RequestModel):
+    """OpenAI's custom tool: its input is one string (free, or under a grammar)."""
+    type: Literal["custom"]
+    custom: CustomToolDefinition
+
+    @property
+    def name(self) -> str:
+        return self.custom.name
+
+    def definition(self) -> FunctionDefinition:
+        """The function a model is shown and writes its calls to: one string argument
+        `input`, under the tool's regex where it has one (a Lark grammar cannot be
+        written as a JSON string's constraint: gateway/tools.py serves it raw)."""
+        fmt, text = self.custom.format, {"type": "string"}
+        grammar = fmt.grammar if fmt is not None else None
+        note = "Its input is free-form text."
+        if grammar is not None and grammar.syntax == "regex":
+            text["pattern"] = f"^(?:{grammar.definition})$"
+            note = f"Its input must match this regular expression: {grammar.definition}"
+        elif grammar is not None:
+            note = f"Its input must follow this Lark grammar:\n{grammar.definition}"
+        description = "\n\n".join(d for d in (self.custom.description, note) if d)
+        return FunctionDefinition(name=self.custom.name, description=description, parameters={
+            "type": "object", "properties": {CUSTOM_INPUT: text}, "required": [CUSTOM_INPUT],
+            "additionalProperties": False})
+
+
+def _tool_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "CustomTool" if kind == "custom" else "ChatCompletionTool"
+
+
+# a tool of `tools`: a function, or a custom tool (told apart by `type`)
+AnyTool = Annotated[Annotated[ChatCompletionTool, Tag("ChatCompletionTool")]
+                    | Annotated[CustomTool, Tag("CustomTool")], Discriminator(_tool_kind)]
+
 
 class NamedFunction(RequestModel):
     name: str
@@ -66,10 +140,35 @@ class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
+    @property
+    def name(self) -> str:
+        return self.function.name
+
+
+class NamedCustomToolChoice(RequestModel):
+    type: Literal["custom"]
+    custom: NamedFunction
+
+    @property
+    def name(self) -> str:
+        return self.custom.name
+
 
 class AllowedToolRef(RequestModel):
-    type: Literal["function"] = "function"
-    function: NamedFunction
+    type: Literal["function", "custom"] = "function"
+    function: NamedFunction | None = None
+    custom: NamedFunction | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> "AllowedToolRef":
+        if getattr(self, self.type) is None:
+            raise PydanticCustomError("missing", "Field required: `{kind}` ({{name}}) for a "
+                                      "{kind} tool", {"kind": self.type})
+        return self
+
+    @property
+    def name(self) -> str:
+        return getattr(self, self.type).name
 
 
 class AllowedTools(RequestModel):
@@ -85,12 +184,14 @@ class AllowedToolsChoice(RequestModel):
 
 
 def _tool_choice_object(value: Any) -> str:
-    return "AllowedToolsChoice" if isinstance(value, dict) and \
-        value.get("type") == "allowed_tools" else "NamedToolChoice"
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"allowed_tools": "AllowedToolsChoice",
+            "custom": "NamedCustomToolChoice"}.get(kind, "NamedToolChoice")
 
 
 # tool_choice objects, told apart by `type` (one member's errors, not both)
 ToolChoiceObject = Annotated[Annotated[NamedToolChoice, Tag("NamedToolChoice")]
+                             | Annotated[NamedCustomToolChoice, Tag("NamedCustomToolChoice")]
                              | Annotated[AllowedToolsChoice, Tag("AllowedToolsChoice")],
                              Discriminator(_tool_choice_object)]
 
@@ -100,10 +201,34 @@ class FunctionCall(ResponseModel):
     arguments: str
 
 
+class CustomCall(ResponseModel):
+    name: str
+    input: str
+
+
 class ToolCall(ResponseModel):
+    """A function call (`function`), or a custom tool's (`type: "custom"`, `custom`)."""
     id: str = Field(default_factory=lambda: random_id("call_"))
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    type: Literal["function", "custom"] = "function"
+    function: FunctionCall | None = None
+    custom: CustomCall | None = None
+
+    @model_validator(mode="after")
+    def _one_call(self) -> "ToolCall":
+        if getattr(self, self.type) is None:
+            raise PydanticCustomError("missing", "Field required: `{kind}` for a {kind} call",
+                                      {"kind": self.type})
+        return self
+
+    @model_serializer(mode="wrap")
+    def _only_its_kind(self, handler):
+        data = handler(self)
+        data.pop("custom" if self.type == "function" else "function", None)
+        return data
+
+    @property
+    def name(self) -> str:
+        return getattr(self, self.type).name
 
 
 class ChatMessage(RequestModel):
@@ -274,7 +399,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[ChatCompletionTool] | None = None
+    tools: list[AnyTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool = True
     # OpenAI's deprecated function calling: `functions` are tools, `function_call`
@@ -411,11 +536,17 @@ class DeltaFunctionCall(ResponseModel):
     arguments: str | None = None
 
 
+class DeltaCustomCall(ResponseModel):
+    name: str | None = None
+    input: str | None = None
+
+
 class DeltaToolCall(ResponseModel):
     index: int
     id: str | None = None
-    type: Literal["function"] | None = None
+    type: Literal["function", "custom"] | None = None
     function: DeltaFunctionCall | None = None
+    custom: DeltaCustomCall | None = None
 
 
 class DeltaMessage(ResponseModel):

@@ -5,7 +5,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from formwork.schemas.openai import ChatCompletionTool, ChatMessage, ToolChoiceObject
+from formwork.schemas.openai import AnyTool, ChatMessage, ToolChoiceObject
 from formwork.schemas.openai_base import RequestModel, ResponseModel
 
 class TokenizeCompletionRequest(RequestModel):
@@ -26,7 +26,7 @@ class TokenizeChatRequest(RequestModel):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None          # under --trust-request-chat-template only
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    tools: list[ChatCompletionTool] | None = None
+    tools: list[AnyTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool = True
 

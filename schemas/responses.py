@@ -102,6 +102,16 @@ class FunctionCallItem(ResponseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
+class CustomToolCallItem(ResponseModel):
+    """A custom tool's call: its `input` string (OpenAI's `custom_tool_call`)."""
+    id: str = Field(default_factory=lambda: random_id("ctc_"))
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    call_id: str = Field(default_factory=lambda: random_id("call_"))
+    name: str
+    input: str = ""
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
 class ReasoningText(ResponseModel):
     type: Literal["reasoning_text"] = "reasoning_text"
     text: str = ""
@@ -116,7 +126,7 @@ class ReasoningItem(ResponseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
+OutputItem = OutputMessage | FunctionCallItem | CustomToolCallItem | ReasoningItem
 
 
 class ResponseUsage(ResponseModel):

@@ -68,6 +68,17 @@ def test_chat_renders_tools_history_and_parts_as_the_server_does(llm):
     assert out.prompt_token_ids == llm.get_tokenizer().encode(p, add_special_tokens=False)
     plain = llm.chat(conv[:2], SamplingParams(max_tokens=3), use_tqdm=False)[0].prompt
     assert "# Tools" not in plain
+    # a custom tool (OpenAI's) and its call in the history: as the server renders them
+    custom = [{"type": "custom", "custom": {"name": "calc", "format": {
+        "type": "grammar", "grammar": {"syntax": "regex", "definition": "[0-9]+"}}}}]
+    conv = conv[:2] + [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "custom", "custom": {"name": "calc", "input": "6*7"}}]}]
+    p = llm.chat(conv, SamplingParams(max_tokens=1), tools=custom, use_tqdm=False)[0].prompt
+    assert '"name": "calc"' in p and "[0-9]+" in p
+    assert '<tool_call>\n{"name": "calc", "arguments": {"input": "6*7"}}\n</tool_call>' in p
+    with pytest.raises(ValueError, match=r"tools\[0\]\.custom"):
+        llm.chat(conv[:2], SamplingParams(max_tokens=1), tools=[{"type": "custom"}],
+                 use_tqdm=False)
 
 
 def test_chat_continue_final_message_and_own_template(llm):
