@@ -138,10 +138,12 @@ def resolve_tool_mode(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> T
         raise bad_request("tools: function names must be unique", param="tools")
 
     def unknown(kind: str, name: str, param: str) -> None:
-        if name not in names or (name in custom) != (kind == "custom"):
-            of_kind = [n for n in names if (n in custom) == (kind == "custom")]
-            raise bad_request(f"{param}: {kind} tool {name!r} is not among the {kind} tools "
-                              f"({', '.join(of_kind) or 'none given'})", param=param)
+        # a name picks its tool whichever type the reference says (names are unique):
+        # clients that know only function tools (LangChain's tool_choice="name") name a
+        # custom tool as {"type": "function", ...}
+        if name not in names:
+            raise bad_request(f"{param}: {kind} tool {name!r} is not among the tools "
+                              f"({', '.join(names) or 'none given'})", param=param)
 
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if isinstance(choice, (NamedToolChoice, NamedCustomToolChoice)):

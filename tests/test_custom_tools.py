@@ -84,16 +84,19 @@ def test_named_custom_tool_constrains_the_output_to_its_input():
     assert tool_constraint(_mode([NOTE], named("note"))) is None     # free text
 
 
-def test_tool_choice_names_a_tool_of_its_kind():
-    err = _refusal([SQL, WEATHER], named("get_weather"))
-    assert err.param == "tool_choice" and "custom tool 'get_weather'" in err.message
-    err = _refusal([SQL, WEATHER], {"type": "function", "function": {"name": "sql"}})
-    assert err.param == "tool_choice" and "function tool 'sql'" in err.message
+def test_tool_choice_names_a_tool_by_its_unique_name():
+    err = _refusal([SQL, WEATHER], named("nowhere"))
+    assert err.param == "tool_choice" and "'nowhere'" in err.message and "sql" in err.message
+    # a name picks its tool whatever type the reference says: LangChain names a custom
+    # tool as {"type": "function", ...} (tool_choice="sql" on its Responses path)
+    assert tool_constraint(_mode([SQL], {"type": "function", "function": {"name": "sql"}})) \
+        == tool_constraint(_mode([SQL], named("sql")))
+    assert _mode([SQL, WEATHER], named("get_weather")).name == "get_weather"
     allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
         {"type": "custom", "custom": {"name": "sql"}}]}}
     mode = _mode([SQL, WEATHER], allowed)
     assert [t.name for t in mode.tools] == ["sql"] and len(mode.prompt_tools) == 2
-    allowed["allowed_tools"]["tools"] = [{"type": "function", "function": {"name": "sql"}}]
+    allowed["allowed_tools"]["tools"] = [{"type": "custom", "custom": {"name": "nowhere"}}]
     assert _refusal([SQL, WEATHER], allowed).param == "tool_choice.allowed_tools.tools"
     err = _refusal([SQL, {"type": "function", "function": {"name": "sql"}}])
     assert err.param == "tools"                                       # names are unique
