@@ -60,8 +60,12 @@ def template_supports_tools(tokenizer, template: str | dict | None = None) -> bo
 def tools_system_prompt(mode: ToolMode) -> str:
     lines = [json.dumps({"type": "function", "function": t.model_dump(exclude_none=True)},
                         ensure_ascii=False) for t in mode.prompt_tools]
-    return TOOLS_PROMPT.format(tools="\n".join(lines),
-                               calls=_CALL_INSTRUCTIONS[mode.format.name])
+    calls = _CALL_INSTRUCTIONS[mode.format.name]
+    raw = sorted(mode.raw & {t.name for t in mode.prompt_tools})
+    for name in raw:        # their calls carry the input as it is (gateway/tools.py)
+        calls += (f"\n\nCall {name} with its input as it is, not as JSON:\n"
+                  + mode.format.spell_raw(name, "<input>"))
+    return TOOLS_PROMPT.format(tools="\n".join(lines), calls=calls)
 
 
 def _text_content(msg: ChatMessage, index: int) -> str:
@@ -102,12 +106,16 @@ def _calls(msg: ChatMessage) -> list[tuple[ToolCall, str, Any]]:
             else (c, c.function.name, _arguments_obj(c.function.arguments)) for c in calls]
 
 
-def _spelled_message(msg: ChatMessage, text: str, fmt: ToolFormat = HERMES) -> dict:
+def _spelled_message(msg: ChatMessage, text: str, fmt: ToolFormat = HERMES,
+                     raw: frozenset[str] = frozenset()) -> dict:
     """One message with tool calls / results spelled out for a template without tools
-    (calls in the server's format)."""
+    (calls in the server's format; those of the `raw` custom tools with their input
+    as it is)."""
     role = _ROLES.get(msg.role, msg.role)
     if msg.role == "assistant" and (calls := _calls(msg)):
-        spelled = fmt.separator.join(fmt.spell(name, args) for _, name, args in calls)
+        spelled = fmt.separator.join(
+            fmt.spell_raw(name, c.custom.input) if c.type == "custom" and name in raw
+            else fmt.spell(name, args) for c, name, args in calls)
         text = "\n".join(([text] if text else []) + [spelled])
     if role == "tool":
         text = f"<tool_response>\n{text}\n</tool_response>"
@@ -132,7 +140,7 @@ def render_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: b
     if native_tools:
         out = [_native_message(m, _text_content(m, i)) for i, m in enumerate(messages)]
     else:
-        out = [_spelled_message(m, _text_content(m, i), mode.format)
+        out = [_spelled_message(m, _text_content(m, i), mode.format, mode.raw)
                for i, m in enumerate(messages)]
     if mode.in_prompt and not native_tools:
         section = tools_system_prompt(mode)

@@ -267,6 +267,8 @@ def _calls_error(mode: ToolMode, text: str, answer: Any) -> str | None:
             return "a <tool_call> segment is not a valid call"
         return _json_error(text, answer) if answer is not None else None
     tools = {t.name: t for t in mode.tools}
+    if any(call.type == "custom" and call.name in mode.raw for call in calls):
+        raise _Unchecked("a custom tool's input under a Lark grammar is not re-checked here")
     for i, call in enumerate(calls):
         fn = tools.get(call.name)
         if fn is None:

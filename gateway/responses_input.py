@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from formwork.gateway.errors import APIError, bad_request, describe_validation_errors
-from formwork.schemas.openai import ChatCompletionRequest
+from formwork.schemas.openai import ChatCompletionRequest, flat_custom_format
 from formwork.schemas.responses import (INCLUDES, REASONING_EFFORTS, REASONING_SUMMARIES,
                                         UNSUPPORTED_FIELDS, ResponsesRequest)
 
@@ -142,15 +142,6 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict]:
     return messages
 
 
-def _custom_format(fmt: Any) -> Any:
-    """A Responses custom tool's `format` (the grammar's fields flat) in the chat shape
-    (`grammar: {definition, syntax}`); anything else as it is, for the chat request's
-    checks to name."""
-    if isinstance(fmt, dict) and fmt.get("type") == "grammar":
-        return {"type": "grammar", "grammar": {k: fmt.get(k) for k in ("definition", "syntax")}}
-    return fmt
-
-
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     """Responses function and custom tools -> chat tools; built-in tools are a 400."""
     if tools is None:
@@ -166,7 +157,7 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
         if tool["type"] == "custom":
             custom = {k: tool[k] for k in ("name", "description") if tool.get(k) is not None}
             if tool.get("format") is not None:
-                custom["format"] = _custom_format(tool["format"])
+                custom["format"] = flat_custom_format(tool["format"])
             out.append({"type": "custom", "custom": custom})
             continue
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict")

@@ -90,7 +90,7 @@ def _parse(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
     if mode.kind == "auto" and mode.tools:
         fmt, calls, content, last, at = mode.format, [], [], 0, 0
         while (start := text.find(fmt.trigger, at)) >= 0:
-            call, end = _call_at(fmt, text, start)
+            call, end = _call_at(fmt, text, start, mode.raw)
             if call is None:
                 at = start + 1
                 continue
@@ -104,16 +104,33 @@ def _parse(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
     return text, []
 
 
-def _call_at(fmt: ToolFormat, text: str, start: int) -> tuple[ToolCall | None, int | None]:
+def _raw_call(fmt: ToolFormat, inner: str, raw: frozenset[str]) -> ToolCall | None:
+    """A custom tool's call written raw (gateway/tools.py ToolFormat.raw_begin):
+    `inner` is what stands between the tags."""
+    head = len(fmt.open.strip())
+    for name in raw:
+        begin = fmt.raw_begin(name)[head:]
+        if inner.startswith(begin):
+            text = inner[len(begin):]
+            tail = fmt.close[:len(fmt.close) - len(fmt.close.lstrip())]   # "\n" before the tag
+            text = text[:len(text) - len(tail)] if tail and text.endswith(tail) else text
+            return ToolCall(type="custom", custom=CustomCall(name=name, input=text))
+    return None
+
+
+def _call_at(fmt: ToolFormat, text: str, start: int,
+             raw: frozenset[str] = frozenset()) -> tuple[ToolCall | None, int | None]:
     """The call that starts at `start` (where `fmt.trigger` is) and the index after it:
     (None, None) when it is not finished yet, (None, end) when what ends at `end` is
-    not a call."""
+    not a call. `raw`: the custom tools whose calls carry their input raw."""
     if fmt.close:                                     # tags around the JSON
         close = fmt.close.strip()
         end = text.find(close, start)
         if end < 0:
             return None, None
-        return _call_from_json(text[start + len(fmt.open.strip()):end].strip()), end + len(close)
+        inner = text[start + len(fmt.open.strip()):end]
+        call = _raw_call(fmt, inner, raw) if raw else None
+        return (call or _call_from_json(inner.strip())), end + len(close)
     end = _object_end(text, start)                    # a bare JSON object
     if end is None:
         return None, None
@@ -239,7 +256,7 @@ class ToolStreamParser:
         content, calls = "", []
         while True:
             if self._in_call:
-                call, end = _call_at(fmt, self._buf, 0)
+                call, end = _call_at(fmt, self._buf, 0, self.mode.raw)
                 if end is None:
                     break                  # the call is not finished yet
                 if call is None and not fmt.close:

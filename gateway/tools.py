@@ -41,10 +41,12 @@ model, and written by it, as a function with one string argument `input`
 Named (`{"type": "custom", "custom": {"name"}}`) the output is the input itself,
 under the tool's grammar as it is (a Lark grammar on llguidance, whose dialect
 OpenAI's is); under "auto"/"required" the input is a JSON string, constrained by
-the tool's regex (a `pattern`); a Lark grammar cannot be a JSON string's
-constraint, so a Lark tool that may be called there is a 400 naming its format.
-Calls come back as `{"type": "custom", "custom": {"name", "input"}}`
-(gateway/tool_parser.py).
+the tool's regex (a `pattern`). A Lark grammar cannot be a JSON string's
+constraint: under "auto" a Lark tool's call carries its input raw between the
+tags, `<tool_call>\n{"name": "calc"}\n12*7\n</tool_call>` (`ToolMode.raw`; the
+tag's content is the grammar, on llguidance); under "required" (one JSON
+document) or a tag-less call format it is a 400 naming its format. Calls come
+back as `{"type": "custom", "custom": {"name", "input"}}` (gateway/tool_parser.py).
 """
 from __future__ import annotations
 
@@ -93,6 +95,20 @@ class ToolFormat:
         return self.open + json.dumps({"name": fn_name, self.args_key: arguments},
                                       ensure_ascii=False) + self.close
 
+    @property
+    def raw_calls(self) -> bool:
+        """Whether a call can carry its input raw: only between tags (a closing tag
+        ends it); a bare JSON call (Llama's) has nothing that could."""
+        return bool(self.close.strip())
+
+    def raw_begin(self, tool_name: str) -> str:
+        """A custom tool's call whose input is written as it is, not as JSON:
+        `<tool_call>\n{"name": "calc"}\n` + input + `\n</tool_call>`."""
+        return f"{self.open}{json.dumps({'name': tool_name}, ensure_ascii=False)}\n"
+
+    def spell_raw(self, tool_name: str, text: str) -> str:
+        return self.raw_begin(tool_name) + text + self.close
+
 
 # Hermes (Qwen2.5/Qwen3, NousResearch, formwork's own tools prompt):
 #   <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
@@ -117,6 +133,13 @@ class ToolMode:
     # the custom tools of the request (among `tools`/`listed` as the functions they are
     # shown as): name -> the grammar of its input (None: free text)
     custom: Mapping[str, CustomGrammar | None] = field(default_factory=dict)
+
+    @property
+    def raw(self) -> frozenset[str]:
+        """The custom tools whose calls carry their input raw (a Lark grammar cannot
+        constrain a JSON string: between tags the input is written as it is)."""
+        return frozenset(n for n, g in self.custom.items()
+                         if g is not None and g.syntax == "lark" and self.format.raw_calls)
 
     @property
     def in_prompt(self) -> bool:
@@ -164,14 +187,21 @@ def resolve_tool_mode(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> T
     if mode.kind in ("auto", "required"):
         for i, name in enumerate(names):
             grammar = custom.get(name)
-            if grammar is not None and grammar.syntax == "lark" and \
-                    any(t.name == name for t in mode.tools):
-                raise bad_request(
-                    f"tools[{i}].custom.format: a Lark grammar is served when tool_choice names "
-                    f"this custom tool ({name!r}); under tool_choice {mode.kind!r} a call's "
-                    "input is a JSON string, which a Lark grammar cannot constrain (a regex "
-                    "grammar can)",
-                    param=f"tools[{i}].custom.format")
+            if grammar is None or grammar.syntax != "lark" or \
+                    not any(t.name == name for t in mode.tools):
+                continue
+            if mode.kind == "required":
+                why = "a call under tool_choice 'required' is JSON"
+            elif not fmt.raw_calls:
+                why = f"a {fmt.name} call is bare JSON, with no closing tag to end a raw input"
+            else:
+                continue
+            raise bad_request(
+                f"tools[{i}].custom.format: a Lark grammar is served when tool_choice names "
+                f"this custom tool ({name!r}) or under tool_choice 'auto' (its input written "
+                f"raw between tool-call tags); here {why}, and a Lark grammar cannot "
+                "constrain a JSON string (a regex grammar can)",
+                param=f"tools[{i}].custom.format")
     return mode
 
 
@@ -244,17 +274,27 @@ def tool_constraint(mode: ToolMode,
     if mode.kind == "required":
         return StructuredOutputsParams(json=_required_schema(mode))
     if mode.kind == "auto" and mode.tools:
+        # a raw call's Lark content is llguidance's alone (structural_tag.LarkContent)
+        backend = "llguidance" if mode.raw & {t.name for t in mode.tools} else "auto"
         if answer is not None:
-            return StructuredOutputsParams(structural_tag=_answer_or_calls_tag(mode, answer))
-        return StructuredOutputsParams(structural_tag=_auto_tag(mode))
+            return StructuredOutputsParams(structural_tag=_answer_or_calls_tag(mode, answer),
+                                           backend=backend)
+        return StructuredOutputsParams(structural_tag=_auto_tag(mode), backend=backend)
     return answer
 
 
 def _call_tags(mode: ToolMode) -> list[dict]:
-    fmt = mode.format
-    return [{"type": "tag", "begin": fmt.begin(t.name),
-             "content": {"type": "json_schema", "json_schema": parameters_schema(t)},
-             "end": fmt.end()} for t in mode.tools]
+    fmt, tags = mode.format, []
+    for t in mode.tools:
+        if t.name in mode.raw:      # the input as it is, under its Lark grammar
+            tags.append({"type": "tag", "begin": fmt.raw_begin(t.name),
+                         "content": {"type": "lark", "grammar": mode.custom[t.name].definition},
+                         "end": fmt.close})
+        else:
+            tags.append({"type": "tag", "begin": fmt.begin(t.name),
+                         "content": {"type": "json_schema", "json_schema": parameters_schema(t)},
+                         "end": fmt.end()})
+    return tags
 
 
 def _auto_tag(mode: ToolMode) -> dict:

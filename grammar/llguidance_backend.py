@@ -21,7 +21,7 @@ from formwork.grammar.backend import (
 )
 from formwork.grammar import unique_items, unique_items_matcher
 from formwork.grammar.llguidance_grammar import to_llguidance
-from formwork.grammar.structural_tag import triggered_tags
+from formwork.grammar.structural_tag import LarkContent, triggered_tags
 from formwork.grammar.vocab import TokenVocab
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -178,7 +178,8 @@ def unique_scan(params: StructuredOutputsParams) -> unique_items.DocScan | uniqu
             tags = triggered_tags(params.spec(), params, check=lambda s: s).tags
         except ValueError:      # another shape (an answer or calls): no site is served there
             return None
-        plans = [(begin, unique_items.plan(schema)) for begin, schema, _ in tags]
+        plans = [(begin, unique_items.plan(schema)) for begin, schema, _ in tags
+                 if not isinstance(schema, LarkContent)]       # a grammar's text: no JSON
         return unique_items.TagScan(plans) if any(p.sites for _, p in plans) else None
     return None
 

@@ -50,7 +50,8 @@ from formwork.grammar import unique_items
 from formwork.grammar.schema_rules import duplicate_name_issues
 from formwork.grammar.schema_closing import close_declared_objects, drop_legacy_ref_siblings
 from formwork.grammar.schema_walk import child_path, iter_nodes, map_ref_targets, validator_class
-from formwork.grammar.structural_tag import AnswerOrCalls, answer_or_calls, triggered_tags
+from formwork.grammar.structural_tag import (AnswerOrCalls, LarkContent, answer_or_calls,
+                                             triggered_tags)
 from formwork.schemas.structured import StructuredOutputsParams
 
 # A schema's own "x-guidance" options are applied before these, so it can never
@@ -428,12 +429,20 @@ def _embedded(schema: Any, params: StructuredOutputsParams) -> str:
     return json.dumps(embedded)
 
 
+def _content(schema: Any, params: StructuredOutputsParams) -> str:
+    """A tag's content in Lark: its schema's JSON, or a Lark grammar's language (a
+    nested grammar: its own `start`, rule names and `%ignore` kept to itself)."""
+    if isinstance(schema, LarkContent):
+        return "%lark {\n" + schema.grammar + "\n}"
+    return f"%json {_embedded(schema, params)}"
+
+
 def _answer_or_calls_lark(aoc: AnswerOrCalls, params: StructuredOutputsParams) -> str:
-    """The answer's JSON, or the calls (each begin, its JSON, end; `separator`
+    """The answer's JSON, or the calls (each begin, its content, end; `separator`
     between them, one only with stop_after_first) and nothing else."""
     lines = ["%llguidance {}", f"answer: %json {_embedded(aoc.answer, params)}"]
     for i, (begin, schema, end) in enumerate(aoc.tags):
-        lines.append(f"tag_{i}: {_lark_text(begin)} %json {_embedded(schema, params)} "
+        lines.append(f"tag_{i}: {_lark_text(begin)} {_content(schema, params)} "
                      f"{_lark_text(end)}")
     lines.append("call: " + " | ".join(f"tag_{i}" for i in range(len(aoc.tags))))
     calls = "call" if aoc.stop_after_first else f"call ({_lark_text(aoc.separator)} call)*"
@@ -458,7 +467,7 @@ def _structural_tag_lark(spec: Any, params: StructuredOutputsParams) -> str:
         trigger = max((t for t in tt.triggers if begin.startswith(t)), key=len)
         lines.append(f"tag_{i}_trig[lazy]: TEXT {_lark_text(trigger)}")
         lines.append(f"tag_{i}: tag_{i}_trig {_lark_text(begin[len(trigger):])} "
-                     f"%json {_embedded(schema, params)} {_lark_text(end)}")
+                     f"{_content(schema, params)} {_lark_text(end)}")
         rules.append(f"tag_{i}")
     any_tag = "(" + " | ".join(rules) + ")"
     if tt.stop_after_first:

@@ -8,6 +8,11 @@ Two spellings are accepted:
 - xgrammar's own {"type": "structural_tag", "format": {...}}.
 Every embedded JSON Schema is checked like a `json` constraint, and its
 whitespace bounded like one.
+
+formwork adds one content type, `{"type": "lark", "grammar": "..."}`: the tag's
+content is a Lark grammar's language, served by llguidance only (xgrammar's
+format language has no Lark); gateway/tools.py writes it for custom tools whose
+input follows a Lark grammar, called in free text (tool_choice auto).
 """
 from __future__ import annotations
 
@@ -93,9 +98,28 @@ def structural_tag_spec(spec: Any, params: StructuredOutputsParams,
 
 
 @dataclass(frozen=True, slots=True)
+class LarkContent:
+    """A tag's content that is a Lark grammar's language (in place of a schema)."""
+    grammar: str
+
+
+def _tag_content(content: Any) -> Any:
+    """A tag's content as the neutral views hold it: its JSON schema, or LarkContent;
+    None for anything else."""
+    if not isinstance(content, dict):
+        return None
+    if content.get("type") == "json_schema":
+        return content.get("json_schema")
+    if content.get("type") == "lark" and isinstance(content.get("grammar"), str):
+        return LarkContent(content["grammar"])
+    return None
+
+
+@dataclass(frozen=True, slots=True)
 class TriggeredTags:
-    """Free text; each trigger starts one of `tags` (begin, schema, end): the
-    backend-neutral view of both spellings, for backends other than xgrammar."""
+    """Free text; each trigger starts one of `tags` (begin, schema or LarkContent,
+    end): the backend-neutral view of both spellings, for backends other than
+    xgrammar."""
     triggers: tuple[str, ...]
     tags: tuple[tuple[str, Any, str], ...]
     at_least_one: bool = False
@@ -112,11 +136,11 @@ def triggered_tags(spec: Any, params: StructuredOutputsParams,
                          "backend 'xgrammar' only")
     tags = []
     for i, t in enumerate(tag.get("tags") or []):
-        content = t.get("content") if isinstance(t, dict) else None
-        if not isinstance(content, dict) or content.get("type") != "json_schema":
-            raise ValueError(f"structural_tag: tags[{i}] content other than json_schema is "
-                             "served by backend 'xgrammar' only")
-        tags.append((t["begin"], content["json_schema"], t.get("end", "")))
+        content = _tag_content(t.get("content") if isinstance(t, dict) else None)
+        if content is None:
+            raise ValueError(f"structural_tag: tags[{i}] content other than json_schema (or "
+                             "lark) is served by backend 'xgrammar' only")
+        tags.append((t["begin"], content, t.get("end", "")))
     triggers = tuple(tag.get("triggers") or ())
     if not tags or not triggers:
         raise ValueError("structural_tag: needs triggers and at least one tag")
@@ -129,7 +153,7 @@ def triggered_tags(spec: Any, params: StructuredOutputsParams,
 
 @dataclass(frozen=True, slots=True)
 class AnswerOrCalls:
-    """A JSON answer, or one or more tags (begin, schema, end) joined by `separator`
+    """A JSON answer, or one or more tags (begin, schema or LarkContent, end) joined by `separator`
     and nothing else (`response_format` beside `tool_choice: "auto"`,
     gateway/tools.py `_answer_or_calls_tag`): the neutral view for llguidance."""
     answer: Any
@@ -154,11 +178,11 @@ def answer_or_calls(spec: Any, params: StructuredOutputsParams,
         return None
     tags = calls.get("tags") or []
     if not tags or not calls.get("at_least_one") or not all(
-            isinstance(t, dict) and "begin" in t and isinstance(t.get("content"), dict)
-            and t["content"].get("type") == "json_schema" for t in tags):
+            isinstance(t, dict) and "begin" in t and _tag_content(t.get("content")) is not None
+            for t in tags):
         return None
     answer, calls = structural_tag_spec(spec, params, check)["format"]["elements"]  # checked
     return AnswerOrCalls(
         answer["json_schema"],
-        tuple((t["begin"], t["content"]["json_schema"], t.get("end", "")) for t in calls["tags"]),
+        tuple((t["begin"], _tag_content(t["content"]), t.get("end", "")) for t in calls["tags"]),
         str(calls.get("separator", "")), bool(calls.get("stop_after_first")))

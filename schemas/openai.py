@@ -95,10 +95,31 @@ class CustomToolDefinition(RequestModel):
 CUSTOM_INPUT = "input"
 
 
+def flat_custom_format(fmt: Any) -> Any:
+    """A custom tool's `format` in the Responses API's flat spelling (`syntax` and
+    `definition` beside `type`) as chat's (`grammar: {syntax, definition}`)."""
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar" and "grammar" not in fmt:
+        return {"type": "grammar", "grammar": {k: fmt[k] for k in ("syntax", "definition")
+                                               if k in fmt}}
+    return fmt
+
+
 class CustomTool(RequestModel):
     """OpenAI's custom tool: its input is one string (free, or under a grammar)."""
     type: Literal["custom"]
     custom: CustomToolDefinition
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat(cls, data: Any) -> Any:
+        """The Responses API's flat spelling ({"type": "custom", "name", "format"}),
+        which LangChain's `custom_tool` sends to chat completions too."""
+        if isinstance(data, dict) and "custom" not in data and "name" in data:
+            inner = {k: data[k] for k in ("name", "description") if k in data}
+            if data.get("format") is not None:
+                inner["format"] = flat_custom_format(data["format"])
+            return {"type": data.get("type"), "custom": inner}
+        return data
 
     @property
     def name(self) -> str:

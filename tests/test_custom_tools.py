@@ -102,14 +102,103 @@ def test_tool_choice_names_a_tool_by_its_unique_name():
     assert err.param == "tools"                                       # names are unique
 
 
-@pytest.mark.parametrize("choice", [None, "auto", "required"])
-def test_a_lark_tool_that_may_be_called_from_json_is_refused_naming_its_format(choice):
-    err = _refusal([WEATHER, CALC], choice)
+def test_a_lark_tool_that_may_be_called_from_json_is_refused_naming_its_format():
+    """tool_choice "required" is one JSON document, and Llama 3's calls are bare JSON
+    (no closing tag to end a raw input): a Lark tool callable there is a 400."""
+    from formwork.gateway.tools import LLAMA3_JSON
+    err = _refusal([WEATHER, CALC], "required")
     assert err.param == "tools[1].custom.format" and "Lark" in err.message
-    # listed but not callable, or not called at all: served
-    for ok in ("none", named("calc"), {"type": "allowed_tools", "allowed_tools": {
-            "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}):
+    with pytest.raises(APIError) as e:
+        resolve_tool_mode(ChatCompletionRequest(messages=MSGS, tools=[WEATHER, CALC]), LLAMA3_JSON)
+    assert e.value.param == "tools[1].custom.format" and "llama3_json" in e.value.message
+    # listed but not callable, or not called at all, or auto between tags: served
+    for ok in (None, "auto", "none", named("calc"), {"type": "allowed_tools", "allowed_tools": {
+            "mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}):
         _mode([WEATHER, CALC], ok)
+
+
+def test_a_lark_tools_call_carries_its_input_raw_between_the_tags():
+    """Under tool_choice auto a Lark tool's input is written as it is (a Lark grammar
+    cannot constrain a JSON string): taught by the tools prompt, rendered so in the
+    history, parsed back whole and streamed."""
+    mode = _mode([CALC, WEATHER], "auto")
+    assert mode.raw == {"calc"}
+    so = tool_constraint(mode)
+    assert so.backend == "llguidance"                  # the tag's content is Lark
+    tag = so.structural_tag["format"]["tags"][0]
+    assert tag["begin"] == '<tool_call>\n{"name": "calc"}\n' and tag["end"] == "\n</tool_call>"
+    assert tag["content"] == {"type": "lark", "grammar": LARK}
+    text = 'Let me compute.\n<tool_call>\n{"name": "calc"}\n12*7\n</tool_call>'
+    content, calls = parse_tool_output(mode, text)
+    assert content == "Let me compute." and calls[0].custom.model_dump() == {
+        "name": "calc", "input": "12*7"}
+    for step in (1, 4, 9):
+        parser = ToolStreamParser(mode)
+        got = [d for i in range(0, len(text), step) for d in parser.feed(text[i:i + step])[1]]
+        assert [d.custom.input for d in got] == ["12*7"] and got[0].type == "custom"
+    msgs = ChatCompletionRequest(messages=MSGS + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "custom", "custom": {"name": "calc", "input": "12*7"}}]}]).messages
+    rendered = render_messages(msgs, mode, native_tools=False)
+    assert rendered[2]["content"] == '<tool_call>\n{"name": "calc"}\n12*7\n</tool_call>'
+    assert 'Call calc with its input as it is' in rendered[0]["content"]
+    assert parse_tool_output(mode, rendered[2]["content"])[1][0].custom.input == "12*7"
+    # a Lark input is not re-checked after the fact (the mask held it): "unchecked"
+    assert check_output(so, mode, text, "stop", None).valid is None
+
+
+@pytest.mark.parametrize("answer", [None, {"type": "object", "properties": {
+    "result": {"type": "integer"}}, "required": ["result"], "additionalProperties": False}])
+def test_walks_into_a_raw_lark_call_parse_back_in_its_language(tokenizer, vocab, answer):
+    """Random walks under tool_choice auto's mask (and auto beside a response_format:
+    the answer or the calls), entering a call: every finished output's calls parse
+    back, a Lark tool's input in its grammar's language, a function's arguments
+    valid."""
+    from formwork.gateway.params import structured_from_request
+    req = ChatCompletionRequest(messages=MSGS, tools=[CALC, WEATHER], parallel_tool_calls=False,
+                                response_format=None if answer is None else {
+                                    "type": "json_schema", "json_schema": {"name": "a",
+                                                                           "schema": answer}})
+    mode = resolve_tool_mode(req)
+    so, _ = structured_from_request(req, mode)
+    compiled = build_backend("llguidance", vocab, tokenizer).compile(so)
+    size, rng, seen = len(tokenizer), random.Random(3), {"calc": 0, "get_weather": 0}
+    for k in range(24):
+        m, bm = compiled.new_matcher(), allocate_bitmask(1, size)
+        out = tokenizer.encode(("Sure. " if answer is None else "") + "<tool_call>",
+                               add_special_tokens=False)
+        assert m.accept_tokens(out)
+        for _ in range(80):
+            m.fill_bitmask(bm, 0)
+            allowed = allowed_token_ids(bm, 0, size)
+            assert allowed and all(vocab.token_bytes[t] is not None for t in allowed
+                                   if t != vocab.eos_token_id)
+            if vocab.eos_token_id in allowed and (rng.random() < 0.5 or len(allowed) == 1):
+                break
+            short = [t for t in allowed if t != vocab.eos_token_id
+                     and len(vocab.token_bytes[t]) <= 2]
+            t = rng.choice(short or [t for t in allowed if t != vocab.eos_token_id])
+            assert m.accept_tokens([t])
+            out.append(t)
+        else:
+            continue
+        text = b"".join(vocab.token_bytes[t] for t in out).decode()
+        _, calls = parse_tool_output(mode, text)
+        assert len(calls) == 1, text
+        if calls[0].type == "custom":
+            assert calls[0].custom.name == "calc" and LARK_RE.fullmatch(calls[0].custom.input)
+        else:
+            assert calls[0].function.name == "get_weather"
+            assert len(json.loads(calls[0].function.arguments)["city"]) <= 20
+        seen[calls[0].name] += 1
+    assert seen["calc"] >= 3 and seen["get_weather"] >= 1, seen
+
+
+def test_the_flat_responses_spelling_is_taken_on_chat_too():
+    """LangChain's `custom_tool` sends the Responses API's flat tool to chat completions."""
+    flat = {"type": "custom", "name": "calc", "description": "Evaluate arithmetic",
+            "format": {"type": "grammar", "syntax": "lark", "definition": LARK}}
+    assert ChatCompletionRequest(messages=MSGS, tools=[flat]).tools == \
+        ChatCompletionRequest(messages=MSGS, tools=[CALC]).tools
 
 
 @pytest.mark.parametrize("bad,param", [
@@ -387,8 +476,14 @@ def test_server_required_calls_and_history(client, model):
                                        tool_choice="none", max_tokens=8)
     assert r.choices[0].message.tool_calls is None
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=ASK, tools=[CALC], max_tokens=4)
+        client.chat.completions.create(model=model, messages=ASK, tools=[CALC],
+                                       tool_choice="required", max_tokens=4)
     assert e.value.body["param"] == "tools[0].custom.format"
+    # auto (the default with tools): served, the calls raw between the tags
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[CALC, WEATHER],
+                                       max_tokens=24)
+    for call in r.choices[0].message.tool_calls or ():
+        assert call.type == "function" or LARK_RE.fullmatch(call.custom.input)
     bad = {"type": "custom", "custom": {"name": "x", "format": {
         "type": "grammar", "grammar": {"syntax": "lark", "definition": "start: nowhere"}}}}
     with pytest.raises(openai.BadRequestError) as e:
@@ -422,5 +517,6 @@ def test_server_responses_custom_tool_calls(client, model):
     assert "response.custom_tool_call_input.done" in events
     assert "".join(deltas) == final.output[-1].input == item.input
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model=model, input="x", tools=[RESP_CALC], max_output_tokens=4)
+        client.responses.create(model=model, input="x", tools=[RESP_CALC], tool_choice="required",
+                                max_output_tokens=4)
     assert e.value.body["param"] == "tools[0].format"
