@@ -296,7 +296,7 @@ def _error(params: StructuredOutputsParams, mode: ToolMode | None,
         if _regex(spec) is None:
             return False, None
         return True, None if _matches(spec, text, full=True) else "does not match the regex"
-    if kind == "structural_tag" and mode is not None and mode.kind == "auto" and mode.tools:
+    if kind == "structural_tag" and mode is not None and mode.tagged and mode.tools:
         answer = tag_answer(spec)
         return True, _calls_error(mode, text, None if answer is True else answer)
     return False, None

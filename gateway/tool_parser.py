@@ -77,7 +77,7 @@ def _parse(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
         # the arguments as generated (as vLLM's): the same text a stream sends piece by
         # piece, also where max_tokens cut it
         return None, [ToolCall(function=FunctionCall(name=mode.name, arguments=text))]
-    if mode.kind == "required":
+    if mode.kind == "required" and not mode.tagged:
         try:
             obj = _loads(text)
         except json.JSONDecodeError:
@@ -87,7 +87,7 @@ def _parse(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
         if any(c is None for c in calls):
             return text, []
         return None, calls
-    if mode.kind == "auto" and mode.tools:
+    if mode.tagged and mode.tools:
         fmt, calls, content, last, at = mode.format, [], [], 0, 0
         while (start := text.find(fmt.trigger, at)) >= 0:
             call, end = _call_at(fmt, text, start, mode.raw)
@@ -178,7 +178,7 @@ def finish_reason_with_tools(engine_reason: str | None, num_calls: int, mode: To
     (or EOS-ended) one; a named or required call cut by a stop string or stop token
     (`stop_reason` set) stays "stop" -- its arguments may be cut short. An auto
     call is only parsed once its closing tag is out, so it is whole either way."""
-    whole = mode.kind == "auto" or stop_reason is None
+    whole = mode.tagged or stop_reason is None
     return "tool_calls" if num_calls and engine_reason == "stop" and whole else engine_reason
 
 

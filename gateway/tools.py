@@ -18,7 +18,9 @@ tool_choice  | constraint on the output                     | parsed as
              | without parallel calls the output ends after |
              | the first call (xgrammar's stop_after_first) |
 "required"   | JSON: one {"name", "arguments"} object (any  | the JSON value
-             | tool), or an array of them if parallel       |
+             | tool), or an array of them if parallel;      |
+             | with a raw (Lark) custom tool: one or more   | the calls, as "auto"
+             | tagged calls and nothing else                |
 named        | JSON: that function's parameters schema      | arguments = the output
 "auto" with  | structural tag: either the response_format's | content (the answer) or
 response_    | JSON, or one or more <tool_call> segments    | the calls, as "auto"
@@ -42,10 +44,11 @@ Named (`{"type": "custom", "custom": {"name"}}`) the output is the input itself,
 under the tool's grammar as it is (a Lark grammar on llguidance, whose dialect
 OpenAI's is); under "auto"/"required" the input is a JSON string, constrained by
 the tool's regex (a `pattern`). A Lark grammar cannot be a JSON string's
-constraint: under "auto" a Lark tool's call carries its input raw between the
-tags, `<tool_call>\n{"name": "calc"}\n12*7\n</tool_call>` (`ToolMode.raw`; the
-tag's content is the grammar, on llguidance); under "required" (one JSON
-document) or a tag-less call format it is a 400 naming its format. Calls come
+constraint: a Lark tool's call carries its input raw between the tags,
+`<tool_call>\n{"name": "calc"}\n12*7\n</tool_call>` (`ToolMode.raw`; the tag's
+content is the grammar, on llguidance), and "required" is then tagged calls in
+place of one JSON document (`ToolMode.tagged`); with a tag-less call format
+(Llama 3's bare JSON) it is a 400 naming its format. Calls come
 back as `{"type": "custom", "custom": {"name", "input"}}` (gateway/tool_parser.py).
 """
 from __future__ import annotations
@@ -142,6 +145,14 @@ class ToolMode:
                          if g is not None and g.syntax == "lark" and self.format.raw_calls)
 
     @property
+    def tagged(self) -> bool:
+        """Whether the calls are written in the call format's tags (parsed as in free
+        text): under "auto", and under "required" where a callable tool's input is
+        raw (one or more tagged calls and nothing else, in place of one JSON document)."""
+        return self.kind == "auto" or (
+            self.kind == "required" and bool(self.raw & {t.name for t in self.tools}))
+
+    @property
     def in_prompt(self) -> bool:
         return self.kind != "none" and bool(self.tools)
 
@@ -190,17 +201,15 @@ def resolve_tool_mode(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> T
             if grammar is None or grammar.syntax != "lark" or \
                     not any(t.name == name for t in mode.tools):
                 continue
-            if mode.kind == "required":
-                why = "a call under tool_choice 'required' is JSON"
-            elif not fmt.raw_calls:
+            if not fmt.raw_calls:
                 why = f"a {fmt.name} call is bare JSON, with no closing tag to end a raw input"
             else:
                 continue
             raise bad_request(
                 f"tools[{i}].custom.format: a Lark grammar is served when tool_choice names "
-                f"this custom tool ({name!r}) or under tool_choice 'auto' (its input written "
-                f"raw between tool-call tags); here {why}, and a Lark grammar cannot "
-                "constrain a JSON string (a regex grammar can)",
+                f"this custom tool ({name!r}), or where its input is written raw between "
+                f"tool-call tags; here {why}, and a Lark grammar cannot constrain a JSON "
+                "string (a regex grammar can)",
                 param=f"tools[{i}].custom.format")
     return mode
 
@@ -271,11 +280,13 @@ def tool_constraint(mode: ToolMode,
     if mode.kind == "named":
         fn = next(t for t in mode.tools if t.name == mode.name)
         return StructuredOutputsParams(json=parameters_schema(fn))
+    # a raw call's Lark content is llguidance's alone (structural_tag.LarkContent)
+    backend = "llguidance" if mode.raw & {t.name for t in mode.tools} else "auto"
+    if mode.kind == "required" and mode.tagged:
+        return StructuredOutputsParams(structural_tag=_calls_tag(mode), backend=backend)
     if mode.kind == "required":
         return StructuredOutputsParams(json=_required_schema(mode))
     if mode.kind == "auto" and mode.tools:
-        # a raw call's Lark content is llguidance's alone (structural_tag.LarkContent)
-        backend = "llguidance" if mode.raw & {t.name for t in mode.tools} else "auto"
         if answer is not None:
             return StructuredOutputsParams(structural_tag=_answer_or_calls_tag(mode, answer),
                                            backend=backend)
@@ -306,17 +317,24 @@ def _auto_tag(mode: ToolMode) -> dict:
                        "stop_after_first": not mode.parallel}}
 
 
+def _calls_tag(mode: ToolMode) -> dict:
+    """xgrammar's format language: one or more tagged calls (one per line; one only
+    without parallel calls) and nothing else -- tool_choice "required" where a call's
+    input is raw."""
+    return {"type": "structural_tag",
+            "format": {"type": "tags_with_separator", "tags": _call_tags(mode),
+                       "separator": mode.format.separator, "at_least_one": True,
+                       "stop_after_first": not mode.parallel}}
+
+
 def _answer_or_calls_tag(mode: ToolMode, answer: StructuredOutputsParams) -> dict:
     """xgrammar structural tag: the answer's JSON, or one or more tool calls (one per
     line; only one without parallel calls) and nothing else."""
     schema = {"type": "object"} if answer.kind() == "json_object" else answer.spec()
     schema = {} if schema is True else schema
-    calls = {"type": "tags_with_separator", "tags": _call_tags(mode),
-             "separator": mode.format.separator,
-             "at_least_one": True, "stop_after_first": not mode.parallel}
     return {"type": "structural_tag",
             "format": {"type": "or", "elements": [
-                {"type": "json_schema", "json_schema": schema}, calls]}}
+                {"type": "json_schema", "json_schema": schema}, _calls_tag(mode)["format"]]}}
 
 
 def tag_answer(tag: dict) -> dict | bool | None:

@@ -440,13 +440,15 @@ def _content(schema: Any, params: StructuredOutputsParams) -> str:
 def _answer_or_calls_lark(aoc: AnswerOrCalls, params: StructuredOutputsParams) -> str:
     """The answer's JSON, or the calls (each begin, its content, end; `separator`
     between them, one only with stop_after_first) and nothing else."""
-    lines = ["%llguidance {}", f"answer: %json {_embedded(aoc.answer, params)}"]
+    lines = ["%llguidance {}"]
+    if aoc.answer is not None:
+        lines.append(f"answer: %json {_embedded(aoc.answer, params)}")
     for i, (begin, schema, end) in enumerate(aoc.tags):
         lines.append(f"tag_{i}: {_lark_text(begin)} {_content(schema, params)} "
                      f"{_lark_text(end)}")
     lines.append("call: " + " | ".join(f"tag_{i}" for i in range(len(aoc.tags))))
     calls = "call" if aoc.stop_after_first else f"call ({_lark_text(aoc.separator)} call)*"
-    lines.append(f"start: answer | {calls}")
+    lines.append(f"start: answer | {calls}" if aoc.answer is not None else f"start: {calls}")
     return "\n".join(lines)
 
 

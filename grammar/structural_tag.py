@@ -153,7 +153,8 @@ def triggered_tags(spec: Any, params: StructuredOutputsParams,
 
 @dataclass(frozen=True, slots=True)
 class AnswerOrCalls:
-    """A JSON answer, or one or more tags (begin, schema or LarkContent, end) joined by `separator`
+    """A JSON answer (None: none), or one or more tags (begin, schema or LarkContent,
+    end) joined by `separator`
     and nothing else (`response_format` beside `tool_choice: "auto"`,
     gateway/tools.py `_answer_or_calls_tag`): the neutral view for llguidance."""
     answer: Any
@@ -164,10 +165,16 @@ class AnswerOrCalls:
 
 def answer_or_calls(spec: Any, params: StructuredOutputsParams,
                     check: Callable[[Any], Any]) -> AnswerOrCalls | None:
-    """`spec` as AnswerOrCalls (schemas checked), or None for any other shape."""
+    """`spec` as AnswerOrCalls (schemas checked), or None for any other shape; the
+    calls alone (a top-level tags_with_separator, at least one) have answer None."""
     if not isinstance(spec, dict) or not _is_own_format(spec):
         return None
     fmt = spec.get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "tags_with_separator":
+        one = answer_or_calls(spec | {"format": {"type": "or", "elements": [
+            {"type": "json_schema", "json_schema": {}}, fmt]}}, params, check)
+        return None if one is None else AnswerOrCalls(None, one.tags, one.separator,
+                                                      one.stop_after_first)
     if not isinstance(fmt, dict) or fmt.get("type") != "or":
         return None
     elements = fmt.get("elements") or []

@@ -102,19 +102,37 @@ def test_tool_choice_names_a_tool_by_its_unique_name():
     assert err.param == "tools"                                       # names are unique
 
 
-def test_a_lark_tool_that_may_be_called_from_json_is_refused_naming_its_format():
-    """tool_choice "required" is one JSON document, and Llama 3's calls are bare JSON
-    (no closing tag to end a raw input): a Lark tool callable there is a 400."""
+def test_a_lark_tool_without_tags_to_carry_its_input_is_refused_naming_its_format():
+    """Llama 3's calls are bare JSON (no closing tag to end a raw input): a Lark tool
+    callable there is a 400; named, or not callable, it is served."""
     from formwork.gateway.tools import LLAMA3_JSON
-    err = _refusal([WEATHER, CALC], "required")
-    assert err.param == "tools[1].custom.format" and "Lark" in err.message
-    with pytest.raises(APIError) as e:
-        resolve_tool_mode(ChatCompletionRequest(messages=MSGS, tools=[WEATHER, CALC]), LLAMA3_JSON)
-    assert e.value.param == "tools[1].custom.format" and "llama3_json" in e.value.message
-    # listed but not callable, or not called at all, or auto between tags: served
-    for ok in (None, "auto", "none", named("calc"), {"type": "allowed_tools", "allowed_tools": {
+
+    def llama(choice):
+        return resolve_tool_mode(ChatCompletionRequest(messages=MSGS, tools=[WEATHER, CALC],
+                                                       tool_choice=choice), LLAMA3_JSON)
+    for choice in (None, "auto", "required"):
+        with pytest.raises(APIError) as e:
+            llama(choice)
+        assert e.value.param == "tools[1].custom.format" and "llama3_json" in e.value.message
+    for ok in ("none", named("calc"), {"type": "allowed_tools", "allowed_tools": {
             "mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}):
-        _mode([WEATHER, CALC], ok)
+        llama(ok)
+    # Hermes tags carry it in every mode
+    for choice in (None, "auto", "required", "none", named("calc")):
+        _mode([WEATHER, CALC], choice)
+
+
+def test_required_with_a_lark_tool_is_tagged_calls_and_nothing_else():
+    mode = _mode([CALC, WEATHER], "required", parallel=True)
+    assert mode.tagged and not _mode([SQL, WEATHER], "required").tagged
+    so = tool_constraint(mode)
+    assert so.backend == "llguidance" and so.structural_tag["format"]["at_least_one"]
+    text = ('<tool_call>\n{"name": "calc"}\n1+2\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    content, calls = parse_tool_output(mode, text)
+    assert content is None and [c.name for c in calls] == ["calc", "get_weather"]
+    parser = ToolStreamParser(mode)
+    assert parser.feed(text)[1] == [] and [d.index for d in parser.finish()[1]] == [0, 1]
 
 
 def test_a_lark_tools_call_carries_its_input_raw_between_the_tags():
@@ -146,15 +164,17 @@ def test_a_lark_tools_call_carries_its_input_raw_between_the_tags():
     assert check_output(so, mode, text, "stop", None).valid is None
 
 
-@pytest.mark.parametrize("answer", [None, {"type": "object", "properties": {
-    "result": {"type": "integer"}}, "required": ["result"], "additionalProperties": False}])
-def test_walks_into_a_raw_lark_call_parse_back_in_its_language(tokenizer, vocab, answer):
+@pytest.mark.parametrize("choice,answer", [("auto", None), ("required", None), ("auto", {
+    "type": "object", "properties": {"result": {"type": "integer"}}, "required": ["result"],
+    "additionalProperties": False})])
+def test_walks_into_a_raw_lark_call_parse_back_in_its_language(tokenizer, vocab, choice, answer):
     """Random walks under tool_choice auto's mask (and auto beside a response_format:
-    the answer or the calls), entering a call: every finished output's calls parse
-    back, a Lark tool's input in its grammar's language, a function's arguments
-    valid."""
+    the answer or the calls; and required: the calls alone), entering a call: every
+    finished output's calls parse back, a Lark tool's input in its grammar's
+    language, a function's arguments valid."""
     from formwork.gateway.params import structured_from_request
     req = ChatCompletionRequest(messages=MSGS, tools=[CALC, WEATHER], parallel_tool_calls=False,
+                                tool_choice=choice,
                                 response_format=None if answer is None else {
                                     "type": "json_schema", "json_schema": {"name": "a",
                                                                            "schema": answer}})
@@ -164,8 +184,8 @@ def test_walks_into_a_raw_lark_call_parse_back_in_its_language(tokenizer, vocab,
     size, rng, seen = len(tokenizer), random.Random(3), {"calc": 0, "get_weather": 0}
     for k in range(24):
         m, bm = compiled.new_matcher(), allocate_bitmask(1, size)
-        out = tokenizer.encode(("Sure. " if answer is None else "") + "<tool_call>",
-                               add_special_tokens=False)
+        out = tokenizer.encode(("Sure. " if choice == "auto" and answer is None else "")
+                               + "<tool_call>", add_special_tokens=False)
         assert m.accept_tokens(out)
         for _ in range(80):
             m.fill_bitmask(bm, 0)
@@ -475,11 +495,16 @@ def test_server_required_calls_and_history(client, model):
     r = client.chat.completions.create(model=model, messages=history, tools=[CALC],
                                        tool_choice="none", max_tokens=8)
     assert r.choices[0].message.tool_calls is None
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=ASK, tools=[CALC],
-                                       tool_choice="required", max_tokens=4)
-    assert e.value.body["param"] == "tools[0].custom.format"
-    # auto (the default with tools): served, the calls raw between the tags
+    # a Lark tool beside others: its call carries the input raw between the tags
+    # (required forces a call; auto, the default, is the same language after free text)
+    for seed in range(3):
+        r = client.chat.completions.create(model=model, messages=ASK, tools=[CALC, WEATHER],
+                                           tool_choice="required", max_tokens=48, seed=seed,
+                                           temperature=1.0)
+        calls = r.choices[0].message.tool_calls
+        assert calls and r.choices[0].message.content is None
+        for call in calls:
+            assert call.type == "function" or LARK_RE.fullmatch(call.custom.input), call
     r = client.chat.completions.create(model=model, messages=ASK, tools=[CALC, WEATHER],
                                        max_tokens=24)
     for call in r.choices[0].message.tool_calls or ():
@@ -516,7 +541,6 @@ def test_server_responses_custom_tool_calls(client, model):
         final = stream.get_final_response()
     assert "response.custom_tool_call_input.done" in events
     assert "".join(deltas) == final.output[-1].input == item.input
-    with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model=model, input="x", tools=[RESP_CALC], tool_choice="required",
-                                max_output_tokens=4)
-    assert e.value.body["param"] == "tools[0].format"
+    r = client.responses.create(model=model, input="What is 12 times 7?", tools=[RESP_CALC],
+                                tool_choice="required", max_output_tokens=48)
+    assert [i.type for i in r.output] == ["custom_tool_call"] and LARK_RE.fullmatch(r.output[0].input)
