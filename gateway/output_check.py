@@ -12,9 +12,12 @@ json_object        | parses as a JSON object
 regex              | Python `re.fullmatch`; "unchecked" if `re` cannot compile it
 choice             | equality with one of the choices
 tools ("auto")     | each <tool_call>'s arguments against its tool's parameters
-                   | (the "required" / named tool constraints are JSON schemas)
-grammar, other     | "unchecked" (valid null)
-structural tags    |
+                   | (the "required" / named tool constraints are JSON schemas);
+                   | a custom tool's raw input against its Lark grammar
+grammar (Lark)     | llguidance's parser over the text's bytes (a byte vocabulary)
+grammar (EBNF),    | "unchecked" (valid null): xgrammar served it, and no other
+other structural   | parser reads its dialect alike
+tags               |
 
 Verdict.valid: True, False (`error` says why, naming a stop-string or max_tokens
 cut), or None (unchecked). Validators are compiled once per schema text (LRU).
@@ -68,6 +71,50 @@ _slow_patterns: dict[str, None] = {}      # patterns that ran past the timeout (
 
 class _Unchecked(Exception):
     """A pattern the check cannot match in bounded time (or at all)."""
+
+
+class _Bytes:
+    """A vocabulary of the 256 bytes and an end token, for llguidance's TokenizerWrapper:
+    a grammar's parser over a text's bytes, with no model's tokenizer."""
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"\xff[eos]"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+_LARK_MATCHERS_KEPT = 64
+_lark_matchers: dict[str, Any] = {}       # grammar text -> its byte-level matcher (LRU)
+
+
+def _lark_error(grammar: str, text: str) -> str | None:
+    """Whether `text` is in a Lark grammar's language (llguidance's dialect, as the
+    backend served it), parsed byte by byte; None when it is."""
+    import llguidance as llg
+
+    from formwork.grammar.llguidance_backend import LIMITS
+    m = _lark_matchers.pop(grammar, None)
+    if m is None:
+        tok = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()), n_vocab=257, slices=[])
+        m = llg.LLMatcher(tok, llg.LLMatcher.grammar_from_lark(grammar), log_level=0,
+                          limits=llg.LLParserLimits(**LIMITS))
+        if m.is_error():
+            raise _Unchecked(f"the grammar does not compile here: {_short(m.get_error())}")
+    else:
+        m.reset()
+    _lark_matchers[grammar] = m
+    while len(_lark_matchers) > _LARK_MATCHERS_KEPT:
+        del _lark_matchers[next(iter(_lark_matchers))]
+    data = text.encode()
+    taken = m.try_consume_tokens(list(data))        # leaves no error state behind
+    if m.is_error():
+        del _lark_matchers[grammar]
+    if taken < len(data):
+        return (f"does not follow the grammar at byte {taken} "
+                f"({_short(repr(data[max(0, taken - 20):taken + 1]))})")
+    return None if m.is_accepting() else "ends before the grammar allows"
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,12 +314,15 @@ def _calls_error(mode: ToolMode, text: str, answer: Any) -> str | None:
             return "a <tool_call> segment is not a valid call"
         return _json_error(text, answer) if answer is not None else None
     tools = {t.name: t for t in mode.tools}
-    if any(call.type == "custom" and call.name in mode.raw for call in calls):
-        raise _Unchecked("a custom tool's input under a Lark grammar is not re-checked here")
     for i, call in enumerate(calls):
         fn = tools.get(call.name)
         if fn is None:
             return f"tool_calls[{i}]: unknown function {call.name!r}"
+        if call.type == "custom" and call.name in mode.raw:     # the input under its Lark
+            error = _lark_error(mode.custom[call.name].definition, call.custom.input)
+            if error is not None:
+                return f"tool_calls[{i}] ({fn.name}) input: {error}"
+            continue
         # a custom tool's input is checked as the one argument it was generated as
         arguments = call.function.arguments if call.type == "function" else \
             json.dumps({CUSTOM_INPUT: call.custom.input})
@@ -296,6 +346,8 @@ def _error(params: StructuredOutputsParams, mode: ToolMode | None,
         if _regex(spec) is None:
             return False, None
         return True, None if _matches(spec, text, full=True) else "does not match the regex"
+    if kind == "grammar" and "::=" not in spec:        # Lark (an EBNF has ::= rules)
+        return True, _lark_error(spec, text)
     if kind == "structural_tag" and mode is not None and mode.tagged and mode.tools:
         answer = tag_answer(spec)
         return True, _calls_error(mode, text, None if answer is True else answer)

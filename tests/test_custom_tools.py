@@ -160,8 +160,26 @@ def test_a_lark_tools_call_carries_its_input_raw_between_the_tags():
     assert rendered[2]["content"] == '<tool_call>\n{"name": "calc"}\n12*7\n</tool_call>'
     assert 'Call calc with its input as it is' in rendered[0]["content"]
     assert parse_tool_output(mode, rendered[2]["content"])[1][0].custom.input == "12*7"
-    # a Lark input is not re-checked after the fact (the mask held it): "unchecked"
-    assert check_output(so, mode, text, "stop", None).valid is None
+    # re-checked after the fact against its grammar (llguidance over the bytes)
+    assert check_output(so, mode, text, "stop", None).valid is True
+    bad = check_output(so, mode, text.replace("12*7", "12**7"), "stop", None)
+    assert bad.valid is False and "tool_calls[0] (calc) input: does not follow" in bad.error
+
+
+def test_lark_outputs_are_rechecked_byte_by_byte():
+    """A named Lark tool's output (and any Lark `grammar` constraint) gets a verdict
+    from llguidance's parser over its bytes; a failed check leaves nothing behind for
+    the next one; an EBNF grammar (xgrammar's dialect) stays unchecked."""
+    from formwork.schemas.structured import StructuredOutputsParams
+    so = tool_constraint(_mode([CALC], named("calc")))
+    mode = _mode([CALC], named("calc"))
+    for text, valid in (("12*7", True), ("12**7", False), ("12*", False), ("12*7", True),
+                        ("9999-0", True), ("", False)):
+        assert check_output(so, mode, text, "stop", None).valid is valid, text
+    cut = check_output(so, mode, "12*", "length", None)
+    assert cut.error == "cut by max_tokens (finish_reason length): ends before the grammar allows"
+    ebnf = StructuredOutputsParams(grammar='root ::= "a" | "b"')
+    assert check_output(ebnf, None, "c", "stop", None).valid is None
 
 
 @pytest.mark.parametrize("choice,answer", [("auto", None), ("required", None), ("auto", {
