@@ -195,22 +195,17 @@ def resolve_tool_mode(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> T
             raise bad_request(f"tool_choice: {choice!r} needs a non-empty 'tools' list",
                               param="tool_choice")
         mode = ToolMode(choice, tools, None, req.parallel_tool_calls, fmt, custom=custom)
-    if mode.kind in ("auto", "required"):
+    callable_names = {t.name for t in mode.tools}
+    if mode.kind in ("auto", "required") and not fmt.raw_calls:
         for i, name in enumerate(names):
             grammar = custom.get(name)
-            if grammar is None or grammar.syntax != "lark" or \
-                    not any(t.name == name for t in mode.tools):
-                continue
-            if not fmt.raw_calls:
-                why = f"a {fmt.name} call is bare JSON, with no closing tag to end a raw input"
-            else:
-                continue
-            raise bad_request(
-                f"tools[{i}].custom.format: a Lark grammar is served when tool_choice names "
-                f"this custom tool ({name!r}), or where its input is written raw between "
-                f"tool-call tags; here {why}, and a Lark grammar cannot constrain a JSON "
-                "string (a regex grammar can)",
-                param=f"tools[{i}].custom.format")
+            if grammar is not None and grammar.syntax == "lark" and name in callable_names:
+                raise bad_request(
+                    f"tools[{i}].custom.format: a Lark grammar is served when tool_choice "
+                    f"names this custom tool ({name!r}), or where its input is written raw "
+                    f"between tool-call tags; a {fmt.name} call is bare JSON, with no closing "
+                    "tag to end a raw input, and a Lark grammar cannot constrain a JSON "
+                    "string (a regex grammar can)", param=f"tools[{i}].custom.format")
     return mode
 
 

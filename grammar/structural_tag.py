@@ -12,7 +12,9 @@ whitespace bounded like one.
 formwork adds one content type, `{"type": "lark", "grammar": "..."}`: the tag's
 content is a Lark grammar's language, served by llguidance only (xgrammar's
 format language has no Lark); gateway/tools.py writes it for custom tools whose
-input follows a Lark grammar, called in free text (tool_choice auto).
+input follows a Lark grammar, called between tool-call tags (tool_choice auto,
+or required). A top-level `tags_with_separator` (at least one tag) is the calls
+alone: AnswerOrCalls without an answer.
 """
 from __future__ import annotations
 

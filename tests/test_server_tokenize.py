@@ -103,6 +103,12 @@ def test_tools_are_in_the_prompt_unless_tool_choice_none(api):
     off = post(api, "/tokenize", {"messages": msgs, "tools": [WEATHER], "tool_choice": "none"})
     assert with_tools["count"] > plain and off.json()["count"] == plain
     assert "get_weather" in post(api, "/detokenize", {"tokens": with_tools["tokens"]}).json()["prompt"]
+    # a custom tool (OpenAI's) is counted as the chat request renders it
+    calc = {"type": "custom", "custom": {"name": "calc", "format": {
+        "type": "grammar", "grammar": {"syntax": "lark", "definition": "start: /[0-9]+/"}}}}
+    custom = post(api, "/tokenize", {"messages": msgs, "tools": [calc]}).json()
+    prompt = post(api, "/detokenize", {"tokens": custom["tokens"]}).json()["prompt"]
+    assert '"name": "calc"' in prompt and "Call calc with its input as it is" in prompt
 
 
 @pytest.mark.parametrize("path,body,headers,status,param,code", [
