@@ -91,10 +91,13 @@ _lark_matchers: dict[str, Any] = {}       # grammar text -> its byte-level match
 
 def _lark_error(grammar: str, text: str) -> str | None:
     """Whether `text` is in a Lark grammar's language (llguidance's dialect, as the
-    backend served it), parsed byte by byte; None when it is."""
+    backend served it), parsed byte by byte; None when it is. A grammar naming
+    special tokens (`<|im_start|>`, `<[id]>`) is unchecked: the text leaves them out."""
     import llguidance as llg
 
     from formwork.grammar.llguidance_backend import LIMITS
+    if "<[" in grammar:      # token ids (`<[128010]>`): a model's tokens, not bytes
+        raise _Unchecked("the grammar names token ids")
     m = _lark_matchers.pop(grammar, None)
     if m is None:
         tok = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()), n_vocab=257, slices=[])

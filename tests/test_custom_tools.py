@@ -180,6 +180,10 @@ def test_lark_outputs_are_rechecked_byte_by_byte():
     assert cut.error == "cut by max_tokens (finish_reason length): ends before the grammar allows"
     ebnf = StructuredOutputsParams(grammar='root ::= "a" | "b"')
     assert check_output(ebnf, None, "c", "stop", None).valid is None
+    # special tokens (by name or id) are left out of the text: unchecked, never "invalid"
+    for g in ('start: <|im_start|> "a"', 'start: "a" <[1]>'):
+        assert check_output(StructuredOutputsParams(grammar=g), None, "a", "stop", None) \
+            .valid is None, g
 
 
 @pytest.mark.parametrize("choice,answer", [("auto", None), ("required", None), ("auto", {
