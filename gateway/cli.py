@@ -1,7 +1,9 @@
-"""The `formwork` command: `formwork serve [MODEL] ...` and `formwork extract ...`.
+"""The `formwork` command: `formwork serve [MODEL] ...`, `formwork extract ...` and
+`formwork run-batch -i IN -o OUT ...`.
 
 `extract` lives in gateway/extract/cli.py (add_arguments(parser), run(args) -> int)
 and is imported only when that subcommand runs; it imports nothing from here.
+`run-batch` (gateway/run_batch.py) takes serve's arguments and runs serve's app.
 """
 from __future__ import annotations
 
@@ -195,6 +197,20 @@ def serve(args: argparse.Namespace) -> int:
                       http=http, requests=requests)
 
 
+def run_batch(args: argparse.Namespace) -> int:
+    from formwork.gateway import run_batch as batch
+
+    try:
+        apply_vllm_arguments(args)
+        config = engine_config(args)
+        check_serve_arguments(args)
+        _, requests = options_from_args(args)
+    except ValueError as e:
+        print(f"formwork run-batch: {e}", file=sys.stderr)
+        return 2
+    return batch.run(args, config, requests)
+
+
 def load_chat_template(spec: str) -> str:
     """--chat-template's text: a file's contents, else the argument itself (vLLM's
     rule); ValueError for a template Jinja cannot parse."""
@@ -233,6 +249,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     if argv[:1] == ["extract"]:
         from formwork.gateway.extract import cli as extract_cli  # the app: only when it runs
         extract_cli.add_arguments(extract)
+    batch = sub.add_parser("run-batch", help="run an OpenAI Batch API file offline (vLLM's "
+                                             "run_batch)")
+    if argv[:1] == ["run-batch"]:
+        from formwork.gateway import run_batch
+        batch.description = run_batch.__doc__
+        batch.formatter_class = argparse.RawDescriptionHelpFormatter
+        run_batch.add_arguments(batch)
+        add_serve_arguments(batch)      # the model and every engine / request option
     return parser
 
 
@@ -271,6 +295,8 @@ def expand_vllm_argv(argv: list[str]) -> list[str]:
     --config FILE's options first (so the command line wins), and the
     --structured-outputs-config.KEY VALUE pairs folded into one
     --structured-outputs-config JSON (over that flag's own object, if any)."""
+    if argv[:1] == ["run-batch"]:         # serve's options, vLLM's spellings included
+        return ["run-batch", *expand_vllm_argv(["serve", *argv[1:]])[1:]]
     if argv[:1] != ["serve"]:
         return argv
     rest, dotted, config_at = list(argv[1:]), {}, None
@@ -316,11 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv = expand_vllm_argv(argv)
     except (ValueError, json.JSONDecodeError) as e:
-        print(f"formwork serve: {e}", file=sys.stderr)
+        print(f"formwork {argv[0] if argv else 'serve'}: {e}", file=sys.stderr)
         return 2
     args = build_parser(argv).parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "run-batch":
+        return run_batch(args)
     from formwork.gateway.extract import cli as extract_cli
     return extract_cli.run(args)
 
