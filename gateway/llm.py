@@ -26,6 +26,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from formwork.core.step_hooks import StepHooks
+from formwork.gateway.errors import APIError
+from formwork.gateway.limits import truncated_prompt
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.errors import ParamError
@@ -90,6 +92,16 @@ def _validated(model, value, where: str):
         from formwork.gateway.errors import describe_validation_errors
 
         raise ValueError(describe_validation_errors(e.errors(), where)[1]) from None
+
+
+def _check_unserved(lora_request: Any, tokenization_kwargs: dict | None) -> None:
+    """vLLM's per-call arguments formwork does not serve: None / empty only."""
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not served")
+    if tokenization_kwargs:
+        raise ValueError(f"tokenization_kwargs: not served (got {sorted(tokenization_kwargs)}); "
+                         "text prompts get the tokenizer's special tokens, token ids are "
+                         "taken as they are, truncate_prompt_tokens is a SamplingParams field")
 
 
 def _engine_process_default() -> bool:
@@ -157,12 +169,18 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True,
                  on_finished: Callable[[int, RequestOutput], None] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, lora_request: Any = None,
+                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Outputs in prompt order. `on_finished(i, output)` (optional) is called
         as soon as prompt i finishes, in completion order, e.g. to write results
         incrementally; an exception from it aborts the remaining requests.
         `priority` (as vLLM): one per prompt, lower served earlier; needs
-        scheduling_policy="priority" (a value other than 0 is refused otherwise)."""
+        scheduling_policy="priority" (a value other than 0 is refused otherwise).
+        vLLM's `lora_request` must be None (no adapters are served) and
+        `tokenization_kwargs` empty (text prompts get the tokenizer's special tokens,
+        token-id prompts are taken as they are): a script passing them runs, one
+        asking for what is not served gets a ValueError naming it."""
+        _check_unserved(lora_request, tokenization_kwargs)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -187,7 +205,8 @@ class LLM:
                 p.validate()
         # the entry's checks, all before admitting anything: a bad prompt fails the call, not
         # the engine (each SamplingParams checked itself when it was built)
-        tokenized = [self._to_tokens(p) for p in prompts]
+        tokenized = [self._truncated(self._to_tokens(prompt), p.truncate_prompt_tokens)
+                     for prompt, p in zip(prompts, params)]
         params = [with_stop_ids(p, self._extra_stop) for p in params]
         for (_, ids), p in zip(tokenized, params):
             self.engine.check_prompt(ids)
@@ -195,17 +214,34 @@ class LLM:
             check_token_ids(p, self.engine.vocab_size)
             check_priority(p, self.config.scheduling_policy)
         self._check_constraints(params)
-        order = []
+        order, textless = [], set()
         for (text, ids), p in zip(tokenized, params):
             rid = str(next(self._ids))
             order.append(rid)
+            if not p.detokenize:
+                textless.add(rid)
             try:
                 for er in self._processor.add_request(rid, text, ids, p, time.monotonic()):
                     self.engine.add_request(er)
             except Exception:
                 self._abort(order)
                 raise
-        return self._run(order, use_tqdm, on_finished)
+        return self._run(order, use_tqdm, on_finished, textless)
+
+    def _truncated(self, prompt: tuple[str | None, list[int]],
+                   k: int | None) -> tuple[str | None, list[int]]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context
+        length); the prompt text is then the kept tokens' text."""
+        text, ids = prompt
+        if k is None:
+            return prompt
+        try:
+            kept = truncated_prompt(ids, k, self.engine.max_model_len)
+        except APIError as e:
+            raise ParamError("truncate_prompt_tokens", e.message.split(": ", 1)[-1]) from None
+        if len(kept) == len(ids):
+            return prompt
+        return self.tokenizer.decode(kept, skip_special_tokens=False), kept
 
     def _check_constraints(self, params: list[SamplingParams]) -> None:
         """Each distinct output constraint checked as the server checks it before a
@@ -236,7 +272,9 @@ class LLM:
             self.engine.step()
 
     def _run(self, order: list[str], use_tqdm: bool,
-             on_finished: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
+             on_finished: Callable[[int, RequestOutput], None] | None = None,
+             textless: set[str] = frozenset()) -> list[RequestOutput]:
+        """`textless`: the requests of detokenize=False, whose outputs carry no text."""
         finished: dict[str, RequestOutput] = {}
         index = {rid: i for i, rid in enumerate(order)}
         bar = None
@@ -258,6 +296,8 @@ class LLM:
                         for c in ro.outputs:     # vLLM's shape: [{token_id: Logprob}, ...]
                             if c.logprobs is not None:
                                 c.logprobs = self._processor.sample_logprobs(c.logprobs)
+                            if ro.request_id in textless:    # detokenize=False: token ids
+                                c.text = c.delta_text = ""
                         finished[ro.request_id] = ro
                         n_out += sum(len(c.token_ids) for c in ro.outputs)
                         if on_finished is not None:
@@ -280,7 +320,10 @@ class LLM:
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None,
-             on_finished: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
+             on_finished: Callable[[int, RequestOutput], None] | None = None,
+             lora_request: Any = None, chat_template_content_format: str = "auto",
+             mm_processor_kwargs: dict | None = None,
+             tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """messages: one conversation (OpenAI chat messages: roles system / developer /
         user / assistant / tool, string or text-part content, assistant `tool_calls`)
         or a list of them. Rendered exactly as the server renders a chat request
@@ -299,6 +342,12 @@ class LLM:
 
         from formwork.schemas.openai import AnyTool, ChatMessage
 
+        _check_unserved(lora_request, tokenization_kwargs)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError("chat_template_content_format: 'auto' or 'string' (text parts are "
+                             f"joined into one string), got {chat_template_content_format!r}")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: multimodal inputs are not served")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: set add_generation_prompt=False with it "
                              "(as vLLM), the last message is continued instead of a new turn")

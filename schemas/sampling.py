@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
 from formwork.schemas.errors import ParamError
 from formwork.schemas.structured import StructuredOutputsParams
+
+# vLLM's older name of StructuredOutputsParams (`from vllm.sampling_params import
+# GuidedDecodingParams`, SamplingParams(guided_decoding=...)): the same class
+GuidedDecodingParams = StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 MAX_N = 128                  # completions per request: fan-out stays bounded (OpenAI: 128)
@@ -97,6 +102,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     step: the output still follows it. Sampled tokens only: a grammar's forced
     continuation (jump-forward) is not taken for a request with such restrictions,
     so that its tokens are sampled under them.
+    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the context
+    length), as vLLM; applied by the offline LLM (the server's request field is its own).
+    vLLM's other fields, so that its scripts run: `guided_decoding` is the older name
+    of structured_outputs (GuidedDecodingParams, this module's alias of
+    StructuredOutputsParams); `detokenize=False` leaves the outputs' text empty (token
+    ids only; the text is still decoded internally, stop strings need it);
+    `spaces_between_special_tokens` changes nothing with a fast tokenizer (the
+    default model's); `extra_args` is taken for plugins (none read it); `output_kind`
+    is the offline LLM's final output always; `logits_processors` are refused.
     """
 
     n: int = 1
@@ -132,10 +146,24 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # carried here for the same reason: requests share prefix-cache blocks only with
     # requests of the same salt (None: with every unsalted request)
     cache_salt: str | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    # vLLM's fields taken for its scripts' sake (see the docstring); guided_decoding is
+    # folded into structured_outputs at construction and reads None afterwards
+    guided_decoding: StructuredOutputsParams | None = None
+    spaces_between_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = None
+    output_kind: int | None = None
+    logits_processors: list[Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ParamError("guided_decoding", "the older name of structured_outputs: "
+                                                    "give one of them")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         self.validate()
 
     @property
@@ -218,6 +246,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                         f"(not only spaces), got {w!r}")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+        if self.logits_processors:
+            bad("logits_processors", "custom logits processors are not served")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
+            bad("truncate_prompt_tokens", f"must be -1 (the context length) or at least 1, "
+                f"got {self.truncate_prompt_tokens}")
+        if self.truncate_prompt_tokens == 0:
+            bad("truncate_prompt_tokens", "must be -1 (the context length) or at least 1, got 0")
+        if not self.detokenize and self.stop:
+            bad("detokenize", "stop strings are matched on the text: detokenize=False cannot "
+                              "go with them (stop_token_ids can)")
 
     def clone(self, **changes) -> "SamplingParams":
         return msgspec.structs.replace(self, **changes)

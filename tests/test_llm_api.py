@@ -336,3 +336,48 @@ def test_default_sampling_params_follow_the_generation_config(tiny_model_dir, tm
             llm.shutdown()
     with pytest.raises(ValueError, match="generation_config"):
         LLM(str(folder), **small, generation_config=str(tmp_path / "none"))
+
+
+def test_vllm_sampling_fields_and_call_arguments(llm):
+    """What vLLM scripts pass beside formwork's own fields: truncate_prompt_tokens (the
+    last k prompt tokens, as generating from those ids), detokenize=False (token ids
+    only), guided_decoding / GuidedDecodingParams (the older structured-outputs
+    names), lora_request=None; what is not served is a ValueError naming it."""
+    from formwork.sampling_params import GuidedDecodingParams
+    ids = _ids(40, 3)
+    greedy = dict(max_tokens=4, temperature=0)
+    cut = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(truncate_prompt_tokens=7, **greedy), use_tqdm=False)[0]
+    ref = llm.generate([{"prompt_token_ids": ids[-7:]}], SamplingParams(**greedy),
+                       use_tqdm=False, lora_request=None)[0]
+    assert cut.prompt_token_ids == ids[-7:] and cut.outputs[0].token_ids == ref.outputs[0].token_ids
+    whole = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        truncate_prompt_tokens=-1, **greedy), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == ids
+    choice = GuidedDecodingParams(choice=["yes", "no"])
+    quiet = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        detokenize=False, guided_decoding=choice, **greedy), use_tqdm=False)[0].outputs[0]
+    loud = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        structured_outputs=choice, **greedy), use_tqdm=False)[0].outputs[0]
+    assert quiet.text == "" and loud.text in ("yes", "no")
+    assert quiet.token_ids == loud.token_ids
+    for kw, match in ((dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+                      (dict(logits_processors=[lambda ids, x: x]), "logits_processors"),
+                      (dict(detokenize=False, stop=["."]), "detokenize"),
+                      (dict(guided_decoding=choice, structured_outputs=choice), "guided_decoding")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate([{"prompt_token_ids": ids}], SamplingParams(truncate_prompt_tokens=10**6),
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.generate([{"prompt_token_ids": ids}], lora_request=object(), use_tqdm=False)
+    with pytest.raises(ValueError, match="tokenization_kwargs"):
+        llm.generate([{"prompt_token_ids": ids}], tokenization_kwargs={"truncation": True})
+    conv = [{"role": "user", "content": "hi"}]
+    for kw, match in ((dict(mm_processor_kwargs={"x": 1}), "mm_processor_kwargs"),
+                      (dict(chat_template_content_format="openai"), "chat_template_content")):
+        with pytest.raises(ValueError, match=match):
+            llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, **kw)
+    assert llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, lora_request=None,
+                    chat_template_content_format="string")[0].outputs[0].token_ids
