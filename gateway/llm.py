@@ -207,7 +207,10 @@ class LLM:
         # the engine (each SamplingParams checked itself when it was built)
         tokenized = [self._truncated(self._to_tokens(prompt), p.truncate_prompt_tokens)
                      for prompt, p in zip(prompts, params)]
-        params = [with_stop_ids(p, self._extra_stop) for p in params]
+        # extra_args are read by nothing here: they stay in the caller's object and do
+        # not travel to the engine (any Python value may be in them)
+        params = [with_stop_ids(p.clone(extra_args=None) if p.extra_args is not None else p,
+                                self._extra_stop) for p in params]
         for (_, ids), p in zip(tokenized, params):
             self.engine.check_prompt(ids)
             resolve_bad_words(p, self.tokenizer)

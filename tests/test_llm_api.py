@@ -360,6 +360,9 @@ def test_vllm_sampling_fields_and_call_arguments(llm):
     loud = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
         structured_outputs=choice, **greedy), use_tqdm=False)[0].outputs[0]
     assert quiet.text == "" and loud.text in ("yes", "no")
+    plugin = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        extra_args={"any": object()}, **greedy), use_tqdm=False)[0]      # never sent on
+    assert plugin.outputs[0].token_ids == whole.outputs[0].token_ids
     assert quiet.token_ids == loud.token_ids
     for kw, match in ((dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
                       (dict(logits_processors=[lambda ids, x: x]), "logits_processors"),
