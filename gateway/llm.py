@@ -94,6 +94,11 @@ def _validated(model, value, where: str):
         raise ValueError(describe_validation_errors(e.errors(), where)[1]) from None
 
 
+_UNSERVED_PROMPT_KEYS = {"multi_modal_data": "multimodal inputs",
+                         "mm_processor_kwargs": "multimodal inputs",
+                         "prompt_embeds": "prompt embeddings"}
+
+
 def _check_unserved(lora_request: Any, tokenization_kwargs: dict | None) -> None:
     """vLLM's per-call arguments formwork does not serve: None / empty only."""
     if lora_request is not None:
@@ -150,6 +155,10 @@ class LLM:
 
     # -- prompts ----------------------------------------------------------
     def _to_tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):     # vLLM's prompt fields that ask for what is not served
+            for key, what in _UNSERVED_PROMPT_KEYS.items():
+                if prompt.get(key):
+                    raise ValueError(f"prompt.{key}: {what} are not served")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")

@@ -373,6 +373,9 @@ def test_vllm_sampling_fields_and_call_arguments(llm):
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         llm.generate([{"prompt_token_ids": ids}], SamplingParams(truncate_prompt_tokens=10**6),
                      use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt.multi_modal_data"):   # not answered without it
+        llm.generate([{"prompt": "Describe it.", "multi_modal_data": {"image": b"..."}}],
+                     use_tqdm=False)
     with pytest.raises(ValueError, match="lora_request"):
         llm.generate([{"prompt_token_ids": ids}], lora_request=object(), use_tqdm=False)
     with pytest.raises(ValueError, match="tokenization_kwargs"):
