@@ -35,6 +35,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def lora_request(self) -> None:
+        """vLLM's: the adapter that produced it; none is served."""
+        return None
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -61,6 +66,28 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobsList | None = None
+
+    # vLLM's fields a script may read: no per-request metrics are kept (vLLM's offline
+    # LLM leaves them None too, its stats being off), no adapter, no encoder prompt
+    @property
+    def metrics(self) -> None:
+        return None
+
+    @property
+    def lora_request(self) -> None:
+        return None
+
+    @property
+    def encoder_prompt(self) -> None:
+        return None
+
+    @property
+    def encoder_prompt_token_ids(self) -> None:
+        return None
+
+    @property
+    def kv_transfer_params(self) -> None:
+        return None
 
 
 class _Detok:
@@ -120,6 +147,28 @@ class _Parent:
     children: list[_Child] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobsList | None = None
+
+    # vLLM's fields a script may read: no per-request metrics are kept (vLLM's offline
+    # LLM leaves them None too, its stats being off), no adapter, no encoder prompt
+    @property
+    def metrics(self) -> None:
+        return None
+
+    @property
+    def lora_request(self) -> None:
+        return None
+
+    @property
+    def encoder_prompt(self) -> None:
+        return None
+
+    @property
+    def encoder_prompt_token_ids(self) -> None:
+        return None
+
+    @property
+    def kv_transfer_params(self) -> None:
+        return None
 
 
 def child_id(request_id: str, index: int, n: int) -> str:

@@ -354,6 +354,9 @@ def test_vllm_sampling_fields_and_call_arguments(llm):
     whole = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
         truncate_prompt_tokens=-1, **greedy), use_tqdm=False)[0]
     assert whole.prompt_token_ids == ids
+    # vLLM's RequestOutput / CompletionOutput fields a script may read
+    assert whole.metrics is None and whole.lora_request is None and whole.encoder_prompt is None
+    assert whole.kv_transfer_params is None and whole.outputs[0].lora_request is None
     choice = GuidedDecodingParams(choice=["yes", "no"])
     quiet = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
         detokenize=False, guided_decoding=choice, **greedy), use_tqdm=False)[0].outputs[0]
