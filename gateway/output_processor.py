@@ -67,8 +67,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobsList | None = None
 
-    # vLLM's fields a script may read: no per-request metrics are kept (vLLM's offline
-    # LLM leaves them None too, its stats being off), no adapter, no encoder prompt
+    # vLLM's fields a script may read, None here: no per-request metrics are kept (the
+    # server's histograms have the timings), no adapter, no encoder prompt
     @property
     def metrics(self) -> None:
         return None
@@ -148,8 +148,8 @@ class _Parent:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobsList | None = None
 
-    # vLLM's fields a script may read: no per-request metrics are kept (vLLM's offline
-    # LLM leaves them None too, its stats being off), no adapter, no encoder prompt
+    # vLLM's fields a script may read, None here: no per-request metrics are kept (the
+    # server's histograms have the timings), no adapter, no encoder prompt
     @property
     def metrics(self) -> None:
         return None
