@@ -148,28 +148,6 @@ class _Parent:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobsList | None = None
 
-    # vLLM's fields a script may read, None here: no per-request metrics are kept (the
-    # server's histograms have the timings), no adapter, no encoder prompt
-    @property
-    def metrics(self) -> None:
-        return None
-
-    @property
-    def lora_request(self) -> None:
-        return None
-
-    @property
-    def encoder_prompt(self) -> None:
-        return None
-
-    @property
-    def encoder_prompt_token_ids(self) -> None:
-        return None
-
-    @property
-    def kv_transfer_params(self) -> None:
-        return None
-
 
 def child_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
