@@ -459,10 +459,8 @@ def test_responses_output_items_and_events_of_a_custom_call():
 
 @pytest.fixture(scope="module")
 def client():
-    from test_server import KEY, Server
-    s = Server("--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory-gb", "0.5")
-    yield openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0, timeout=300)
-    s.stop()
+    from test_server import small_server_client
+    yield from small_server_client()
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,17 @@ class Server:
         return self.proc.returncode
 
 
+def small_server_client(*extra: str):
+    """A fixture's body: a small `formwork serve` on loopback and an openai client of it
+    (the server stops when the fixture ends)."""
+    s = Server("--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory-gb", "0.5",
+               *extra)
+    try:
+        yield openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+    finally:
+        s.stop()
+
+
 def gone(pid: int, timeout_s: float = 30) -> bool:
     """True once `pid` no longer runs (exited and reaped, or a zombie)."""
     deadline = time.monotonic() + timeout_s
