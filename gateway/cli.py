@@ -169,23 +169,28 @@ def apply_vllm_arguments(args: argparse.Namespace) -> None:
         args.log_level = "debug" if args.uvicorn_log_level == "trace" else args.uvicorn_log_level
 
 
-def serve(args: argparse.Namespace) -> int:
-    from formwork.gateway.api_server import run_server   # the server: only when it runs
-
+def _configured(args: argparse.Namespace, command: str):
+    """(engine config, HTTP options, request options) from serve's arguments (vLLM's
+    spellings applied, logging set up), or None once the usage error is printed."""
     try:
         apply_vllm_arguments(args)
-    except ValueError as e:
-        print(f"formwork serve: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         config = engine_config(args)
         check_serve_arguments(args)
         http, requests = options_from_args(args)
     except ValueError as e:
-        print(f"formwork serve: {e}", file=sys.stderr)
+        print(f"formwork {command}: {e}", file=sys.stderr)
+        return None
+    return config, http, requests
+
+
+def serve(args: argparse.Namespace) -> int:
+    from formwork.gateway.api_server import run_server   # the server: only when it runs
+
+    if (configured := _configured(args, "serve")) is None:
         return 2
+    config, http, requests = configured
     return run_server(config, host=args.host, port=args.port,
                       served_model_names=args.served_model_name, api_key=args.api_key,
                       log_level=args.log_level, max_request_body_mb=args.max_request_body_mb,
@@ -200,14 +205,9 @@ def serve(args: argparse.Namespace) -> int:
 def run_batch(args: argparse.Namespace) -> int:
     from formwork.gateway import run_batch as batch
 
-    try:
-        apply_vllm_arguments(args)
-        config = engine_config(args)
-        check_serve_arguments(args)
-        _, requests = options_from_args(args)
-    except ValueError as e:
-        print(f"formwork run-batch: {e}", file=sys.stderr)
+    if (configured := _configured(args, "run-batch")) is None:
         return 2
+    config, _, requests = configured
     return batch.run(args, config, requests)
 
 

@@ -162,8 +162,6 @@ def run(args: argparse.Namespace, config, requests) -> int:
     except (ValueError, OSError) as e:
         print(f"formwork run-batch: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)     # a line per request otherwise
     app = build_app(config, served_model_names=args.served_model_name,
                     chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
