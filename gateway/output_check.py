@@ -40,6 +40,7 @@ import contextvars
 import json
 import math
 import re
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -85,35 +86,74 @@ class _Bytes:
         return list(text.encode() if isinstance(text, str) else text)
 
 
-_LARK_MATCHERS_KEPT = 64
-_lark_matchers: dict[str, Any] = {}       # grammar text -> its byte-level matcher (LRU)
+_LARK_MATCHERS_KEPT = 256
+# grammar text -> (its byte-level matcher, None) or (None, why it does not compile), LRU
+_lark_matchers: dict[str, tuple[Any, str | None]] = {}
+_lark_lock = threading.Lock()
+
+
+def lark_grammars(params: StructuredOutputsParams | None, mode: ToolMode | None) -> list[str]:
+    """The Lark grammars `check_output` parses outputs of `params` with: a Lark
+    `grammar` constraint (a named Lark custom tool's among them) and the raw Lark
+    custom tools that may be called. The server compiles them with `prepare_lark`
+    in a worker thread before the request runs: the check itself never compiles."""
+    if params is None:
+        return []
+    out = []
+    if params.kind() == "grammar" and "::=" not in params.spec():     # Lark, not EBNF
+        out.append(params.spec())
+    if mode is not None and mode.kind != "named":
+        callable_names = {t.name for t in mode.tools}
+        out += [mode.custom[n].definition for n in sorted(mode.raw & callable_names)]
+    return [g for g in out if "<[" not in g]
+
+
+def prepare_lark(grammars: list[str]) -> None:
+    """Compile (and keep) the byte-level matchers of `grammars`: off the event loop
+    (a large grammar takes a while: 0.16 s for 100 KB), bounded by llguidance's fuel."""
+    for grammar in grammars:
+        _lark_matcher(grammar, build=True)
+
+
+def _lark_matcher(grammar: str, build: bool) -> tuple[Any, str | None] | None:
+    with _lark_lock:
+        kept = _lark_matchers.pop(grammar, None)
+        if kept is not None:
+            _lark_matchers[grammar] = kept          # most recently used last
+            return kept
+    if not build:
+        return None
+    import llguidance as llg
+
+    from formwork.grammar.llguidance_grammar import LIMITS
+    tok = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()), n_vocab=257, slices=[])
+    m = llg.LLMatcher(tok, llg.LLMatcher.grammar_from_lark(grammar), log_level=0,
+                      limits=llg.LLParserLimits(**LIMITS))
+    kept = (None, _short(m.get_error())) if m.is_error() else (m, None)
+    with _lark_lock:
+        _lark_matchers[grammar] = kept
+        while len(_lark_matchers) > _LARK_MATCHERS_KEPT:
+            del _lark_matchers[next(iter(_lark_matchers))]
+    return kept
 
 
 def _lark_error(grammar: str, text: str) -> str | None:
     """Whether `text` is in a Lark grammar's language (llguidance's dialect, as the
-    backend served it), parsed byte by byte; None when it is. A grammar naming
-    special tokens (`<|im_start|>`, `<[id]>`) is unchecked: the text leaves them out."""
-    import llguidance as llg
-
-    from formwork.grammar.llguidance_backend import LIMITS
+    backend served it), parsed byte by byte with the matcher `prepare_lark` compiled;
+    None when it is. Unchecked: a grammar not prepared (or evicted since), one that
+    does not compile here, one naming special tokens (`<|im_start|>`, `<[id]>`: the
+    text leaves them out)."""
     if "<[" in grammar:      # token ids (`<[128010]>`): a model's tokens, not bytes
         raise _Unchecked("the grammar names token ids")
-    m = _lark_matchers.pop(grammar, None)
+    kept = _lark_matcher(grammar, build=False)
+    if kept is None:
+        raise _Unchecked("the grammar was not compiled for the check")
+    m, error = kept
     if m is None:
-        tok = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()), n_vocab=257, slices=[])
-        m = llg.LLMatcher(tok, llg.LLMatcher.grammar_from_lark(grammar), log_level=0,
-                          limits=llg.LLParserLimits(**LIMITS))
-        if m.is_error():
-            raise _Unchecked(f"the grammar does not compile here: {_short(m.get_error())}")
-    else:
-        m.reset()
-    _lark_matchers[grammar] = m
-    while len(_lark_matchers) > _LARK_MATCHERS_KEPT:
-        del _lark_matchers[next(iter(_lark_matchers))]
+        raise _Unchecked(f"the grammar does not compile here: {error}")
+    m.reset()
     data = text.encode()
     taken = m.try_consume_tokens(list(data))        # leaves no error state behind
-    if m.is_error():
-        del _lark_matchers[grammar]
     if taken < len(data):
         return (f"does not follow the grammar at byte {taken} "
                 f"({_short(repr(data[max(0, taken - 20):taken + 1]))})")

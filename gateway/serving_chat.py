@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: request -> prompt + SamplingParams -> JSON or SSE."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from formwork.gateway.chat import build_chat_prompt
 from formwork.gateway.errors import APIError, bad_request
 from formwork.gateway.limits import check_text_fits, truncated_prompt
 from formwork.gateway.metrics import Metrics, RequestTimer
-from formwork.gateway.output_check import Verdict, check_output, drop_unset
+from formwork.gateway.output_check import (Verdict, check_output, drop_unset, lark_grammars,
+                                           prepare_lark)
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.params import (chat_logprobs, chat_max_tokens, check_max_logprobs,
                                      context_max_tokens, explicit_prompt_logprobs, log_request,
@@ -106,6 +108,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
             if source == "tools" and mode is not None:
                 await _blame_a_tool(state, req, mode)
             raise
+        if grammars := lark_grammars(structured, mode):      # the output check's parsers
+            await asyncio.to_thread(prepare_lark, grammars)
     if req.truncate_prompt_tokens is None:     # a truncated prompt may be longer (body limit)
         check_text_fits((t for m in req.messages for t in _texts(m.content)),
                         state.max_model_len, state.max_token_chars, "messages")

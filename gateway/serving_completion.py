@@ -23,7 +23,7 @@ from formwork.gateway.completion_logprobs import (completion_logprobs, echo_logp
 from formwork.gateway.errors import APIError, bad_request
 from formwork.gateway.limits import check_text_fits, truncated_prompt
 from formwork.gateway.metrics import Metrics, RequestTimer
-from formwork.gateway.output_check import check_output, drop_unset
+from formwork.gateway.output_check import check_output, drop_unset, lark_grammars, prepare_lark
 from formwork.gateway.output_processor import CompletionOutput, RequestOutput
 from formwork.gateway.params import (check_max_logprobs, context_max_tokens,
                                      explicit_prompt_logprobs, log_request, sampling_params,
@@ -111,6 +111,8 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Prep
     if structured is not None:
         await check_constraint(state.constraints, structured, source,
                                 state.engine.config.structured_backend)
+        if grammars := lark_grammars(structured, None):      # the output check's parsers
+            await asyncio.to_thread(prepare_lark, grammars)
     prompts = await state.run_tokenizer(_prompts, state, req.prompt, req.truncate_prompt_tokens,
                                         req.add_special_tokens, req.truncation_side)
     params = [sampling_params(req, max_tokens=context_max_tokens(

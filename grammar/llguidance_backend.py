@@ -20,19 +20,11 @@ from formwork.grammar.backend import (
     set_only_tokens,
 )
 from formwork.grammar import unique_items, unique_items_matcher
-from formwork.grammar.llguidance_grammar import to_llguidance
+from formwork.grammar.llguidance_grammar import LIMITS, to_llguidance
 from formwork.grammar.structural_tag import LarkContent, triggered_tags
 from formwork.grammar.vocab import TokenVocab
 from formwork.schemas.structured import StructuredOutputsParams
 
-# llguidance bounds the lexer work per token ("fuel"); past it the matcher enters a
-# permanent error state mid-generation ("too many expressions constructed").
-# Patterned strings under a length bound (`^(?:\\S+\\s+){0,49}\\S+$` with
-# maxLength 500, JSONSchemaBench Github_medium/o21142) ran out at the defaults
-# (step 200k, initial 1M) within ~100 tokens; 10x keeps those alive and still
-# bounds one mask step. A matcher that errors anyway ends its request with the
-# error (never an unconstrained or truncated output).
-LIMITS = dict(step_lexer_fuel=2_000_000, initial_lexer_fuel=10_000_000)
 
 
 class _Vocabulary:

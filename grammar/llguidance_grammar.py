@@ -73,6 +73,17 @@ _REMOTE_REF = re.compile(r"Resource '([^']*)' is not present in a registry")
 _UNSERIALIZABLE = re.compile(r"not JSON serializable: (-?\d+)$")
 
 
+# llguidance bounds the lexer work per token ("fuel"); past it the matcher enters a
+# permanent error state mid-generation ("too many expressions constructed").
+# Patterned strings under a length bound (`^(?:\\S+\\s+){0,49}\\S+$` with
+# maxLength 500, JSONSchemaBench Github_medium/o21142) ran out at the defaults
+# (step 200k, initial 1M) within ~100 tokens; 10x keeps those alive and still
+# bounds one mask step. A matcher that errors anyway ends its request with the
+# error (never an unconstrained or truncated output). (Here, not in the backend
+# module, so that the gateway's output check reads it without importing torch.)
+LIMITS = dict(step_lexer_fuel=2_000_000, initial_lexer_fuel=10_000_000)
+
+
 def json_options(params: StructuredOutputsParams) -> dict[str, Any]:
     """Whitespace: the request's pattern (checked: JSON whitespace only), none at all,
     or at most `max_whitespace` characters per run."""

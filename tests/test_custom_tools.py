@@ -15,7 +15,7 @@ import pytest
 
 from formwork.gateway.chat import render_messages
 from formwork.gateway.errors import APIError
-from formwork.gateway.output_check import check_output
+from formwork.gateway.output_check import check_output, lark_grammars, prepare_lark
 from formwork.gateway.responses_input import (chat_request, chat_tool_choice, chat_tools,
                                               input_messages, responses_error)
 from formwork.gateway.serving_responses import EventWriter, assistant_message, output_items
@@ -160,7 +160,10 @@ def test_a_lark_tools_call_carries_its_input_raw_between_the_tags():
     assert rendered[2]["content"] == '<tool_call>\n{"name": "calc"}\n12*7\n</tool_call>'
     assert 'Call calc with its input as it is' in rendered[0]["content"]
     assert parse_tool_output(mode, rendered[2]["content"])[1][0].custom.input == "12*7"
-    # re-checked after the fact against its grammar (llguidance over the bytes)
+    # re-checked after the fact against its grammar (llguidance over the bytes), once
+    # the server prepared the grammar's parser (before the request ran, off the loop)
+    assert lark_grammars(so, mode) == [LARK]
+    prepare_lark(lark_grammars(so, mode))
     assert check_output(so, mode, text, "stop", None).valid is True
     bad = check_output(so, mode, text.replace("12*7", "12**7"), "stop", None)
     assert bad.valid is False and "tool_calls[0] (calc) input: does not follow" in bad.error
@@ -173,6 +176,13 @@ def test_lark_outputs_are_rechecked_byte_by_byte():
     from formwork.schemas.structured import StructuredOutputsParams
     so = tool_constraint(_mode([CALC], named("calc")))
     mode = _mode([CALC], named("calc"))
+    # never compiled on the event loop: a grammar the server did not prepare is unchecked
+    unprepared = StructuredOutputsParams(grammar='start: "z"+')
+    assert check_output(unprepared, None, "zz", "stop", None).valid is None
+    prepare_lark(lark_grammars(unprepared, None))
+    assert check_output(unprepared, None, "zz", "stop", None).valid is True
+    assert lark_grammars(so, mode) == [LARK]
+    prepare_lark(lark_grammars(so, mode))
     for text, valid in (("12*7", True), ("12**7", False), ("12*", False), ("12*7", True),
                         ("9999-0", True), ("", False)):
         assert check_output(so, mode, text, "stop", None).valid is valid, text
@@ -182,8 +192,9 @@ def test_lark_outputs_are_rechecked_byte_by_byte():
     assert check_output(ebnf, None, "c", "stop", None).valid is None
     # special tokens (by name or id) are left out of the text: unchecked, never "invalid"
     for g in ('start: <|im_start|> "a"', 'start: "a" <[1]>'):
-        assert check_output(StructuredOutputsParams(grammar=g), None, "a", "stop", None) \
-            .valid is None, g
+        named_tokens = StructuredOutputsParams(grammar=g)
+        prepare_lark(lark_grammars(named_tokens, None))
+        assert check_output(named_tokens, None, "a", "stop", None).valid is None, g
 
 
 @pytest.mark.parametrize("choice,answer", [("auto", None), ("required", None), ("auto", {
@@ -479,6 +490,7 @@ def test_server_named_custom_tools(client, model):
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
     assert call.type == "custom" and call.custom.name == "calc"
     assert LARK_RE.fullmatch(call.custom.input), call.custom.input
+    assert r.choices[0].model_extra["formwork"] == {"valid": True, "error": None}   # re-checked
     # streamed, the same input piece by piece
     pieces, finish = [], None
     for chunk in client.chat.completions.create(

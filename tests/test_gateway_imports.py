@@ -73,3 +73,21 @@ def test_schema_checks_import_no_backend_and_outlines_checks_need_no_torch():
         print(json.dumps(seen))
     """)
     assert _run(code) == {"schema_checked": [], "outlines_checked": ["outlines_core"]}
+
+
+def test_the_output_check_of_lark_needs_llguidance_alone():
+    """The gateway's Lark output check (a byte-level llguidance parser) reads the
+    backend's limits without importing the backend module, which imports torch (it
+    once did: ~1 s on the event loop at the first Lark check, and torch in the
+    gateway)."""
+    code = textwrap.dedent(f"""
+        import json, sys
+        from formwork.gateway.output_check import check_output, lark_grammars, prepare_lark
+        from formwork.schemas.structured import StructuredOutputsParams
+        so = StructuredOutputsParams(grammar='start: "a"+')
+        prepare_lark(lark_grammars(so, None))
+        verdict = check_output(so, None, "aaa", "stop", None)
+        print(json.dumps({{"valid": verdict.valid,
+                          "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+    """)
+    assert _run(code) == {"valid": True, "heavy": ["llguidance"]}
