@@ -126,10 +126,13 @@ def _lark_matcher(grammar: str, build: bool) -> tuple[Any, str | None] | None:
     import llguidance as llg
 
     from formwork.grammar.llguidance_grammar import LIMITS
-    tok = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()), n_vocab=257, slices=[])
-    m = llg.LLMatcher(tok, llg.LLMatcher.grammar_from_lark(grammar), log_level=0,
-                      limits=llg.LLParserLimits(**LIMITS))
-    kept = (None, _short(m.get_error())) if m.is_error() else (m, None)
+    try:
+        tok = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()), n_vocab=257, slices=[])
+        m = llg.LLMatcher(tok, llg.LLMatcher.grammar_from_lark(grammar), log_level=0,
+                          limits=llg.LLParserLimits(**LIMITS))
+        kept = (None, _short(m.get_error())) if m.is_error() else (m, None)
+    except Exception as e:      # never fail a request over its check: unchecked then
+        kept = (None, _short(f"{type(e).__name__}: {e}"))
     with _lark_lock:
         _lark_matchers[grammar] = kept
         while len(_lark_matchers) > _LARK_MATCHERS_KEPT:
