@@ -122,9 +122,20 @@ def _spelled_message(msg: ChatMessage, text: str, fmt: ToolFormat = HERMES,
     return {"role": role, "content": text}
 
 
-def _native_message(msg: ChatMessage, text: str) -> dict:
+def _native_message(msg: ChatMessage, text: str, fmt: ToolFormat = HERMES,
+                    raw: frozenset[str] = frozenset()) -> dict:
+    """One message for a template that knows tools: calls as its `tool_calls`, but
+    those of the `raw` custom tools spelled into the content as the grammar makes the
+    model write them (the template would show them as JSON arguments)."""
     out: dict[str, Any] = {"role": _ROLES.get(msg.role, msg.role), "content": text}
-    if calls := _calls(msg):
+    calls = _calls(msg)
+    spelled = [fmt.spell_raw(name, c.custom.input) for c, name, _ in calls
+               if c.type == "custom" and name in raw]
+    if spelled:
+        out["content"] = "\n".join(([text] if text else []) + spelled)
+    calls = [(c, name, args) for c, name, args in calls
+             if not (c.type == "custom" and name in raw)]
+    if calls:
         out["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": name, "arguments": args}}
                              for c, name, args in calls]
@@ -138,7 +149,8 @@ def _native_message(msg: ChatMessage, text: str) -> dict:
 def render_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: bool) -> list[dict]:
     """Plain dict messages for `apply_chat_template`; adds the tools prompt when needed."""
     if native_tools:
-        out = [_native_message(m, _text_content(m, i)) for i, m in enumerate(messages)]
+        out = [_native_message(m, _text_content(m, i), mode.format, mode.raw)
+               for i, m in enumerate(messages)]
     else:
         out = [_spelled_message(m, _text_content(m, i), mode.format, mode.raw)
                for i, m in enumerate(messages)]

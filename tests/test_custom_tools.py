@@ -159,6 +159,10 @@ def test_a_lark_tools_call_carries_its_input_raw_between_the_tags():
     rendered = render_messages(msgs, mode, native_tools=False)
     assert rendered[2]["content"] == '<tool_call>\n{"name": "calc"}\n12*7\n</tool_call>'
     assert 'Call calc with its input as it is' in rendered[0]["content"]
+    # a template that knows tools would show the call as JSON arguments: it gets the raw
+    # spelling in the content instead, as the grammar makes the model write it
+    native = render_messages(msgs, mode, native_tools=True)
+    assert "tool_calls" not in native[1] and native[1]["content"] == rendered[2]["content"]
     assert parse_tool_output(mode, rendered[2]["content"])[1][0].custom.input == "12*7"
     # re-checked after the fact against its grammar (llguidance over the bytes), once
     # the server prepared the grammar's parser (before the request ran, off the loop)
