@@ -98,8 +98,8 @@ def _output_line(custom_id: str, status: int, body: Any) -> dict:
 class _OrderedWriter:
     """Writes result i once results 0..i-1 are written (input order, as they finish)."""
 
-    def __init__(self, out: TextIO, total: int) -> None:
-        self.out, self.total, self.next = out, total, 0
+    def __init__(self, out: TextIO) -> None:
+        self.out, self.next = out, 0
         self.done: dict[int, dict] = {}
 
     def put(self, index: int, line: dict) -> None:
@@ -116,7 +116,7 @@ async def run_lines(app, lines: list[str], out: TextIO, concurrency: int) -> dic
     import httpx
 
     counts = {"ok": 0, "refused": 0, "invalid": 0}
-    writer, seen = _OrderedWriter(out, len(lines)), set()
+    writer, seen = _OrderedWriter(out), set()
     parsed = [parse_line(text, i + 1, seen) for i, text in enumerate(lines)]
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
