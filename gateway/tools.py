@@ -165,8 +165,7 @@ def resolve_tool_mode(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> T
     """Validate tools/tool_choice (400 naming `tool_choice`/`tools`) and pick the mode;
     `fmt`: the server's tool-call format."""
     tools = tuple(t.definition() for t in req.tools or ())
-    custom = {t.name: (t.custom.format.grammar if t.custom.format is not None else None)
-              for t in req.tools or () if isinstance(t, CustomTool)}
+    custom = {t.name: t.custom.grammar for t in req.tools or () if isinstance(t, CustomTool)}
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tools: function names must be unique", param="tools")

@@ -89,6 +89,12 @@ class CustomToolDefinition(RequestModel):
     description: str | None = None
     format: CustomToolFormat | None = None
 
+    @property
+    def grammar(self) -> CustomGrammar | None:
+        """The input's grammar; None for free text (`type: "text"` or no format)."""
+        fmt = self.format
+        return fmt.grammar if fmt is not None and fmt.type == "grammar" else None
+
 
 # the one argument a custom tool's input travels in where calls are JSON (the tools
 # prompt, chat templates, tool_choice auto / required): see gateway/tools.py
@@ -129,8 +135,7 @@ class CustomTool(RequestModel):
         """The function a model is shown and writes its calls to: one string argument
         `input`, under the tool's regex where it has one (a Lark grammar cannot be
         written as a JSON string's constraint: gateway/tools.py serves it raw)."""
-        fmt, text = self.custom.format, {"type": "string"}
-        grammar = fmt.grammar if fmt is not None else None
+        grammar, text = self.custom.grammar, {"type": "string"}
         note = "Its input is free-form text."
         if grammar is not None and grammar.syntax == "regex":
             text["pattern"] = f"^(?:{grammar.definition})$"

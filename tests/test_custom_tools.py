@@ -82,6 +82,9 @@ def test_named_custom_tool_constrains_the_output_to_its_input():
     calc = tool_constraint(_mode([CALC], named("calc")))
     assert calc.grammar == LARK and calc.backend == "llguidance"     # Lark is its language
     assert tool_constraint(_mode([NOTE], named("note"))) is None     # free text
+    text = {"type": "custom", "custom": {"name": "t", "format": {        # type says text
+        "type": "text", "grammar": {"syntax": "regex", "definition": "a"}}}}
+    assert tool_constraint(_mode([text], named("t"))) is None
 
 
 def test_tool_choice_names_a_tool_by_its_unique_name():
