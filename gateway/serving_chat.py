@@ -78,7 +78,7 @@ async def _blame_a_tool(state: ServerState, req: ChatCompletionRequest, mode: To
                 continue
             where = f"tools[{i}].custom.format.grammar.definition"
             await check_constraint(state.constraints, custom_constraint(grammar), where, backend)
-            if mode.kind == "named":
+            if mode.kind == "named" or fn.name in mode.raw:     # its grammar is the constraint
                 continue
         else:
             where = f"tools[{i}].function.parameters"
