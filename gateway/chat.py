@@ -97,25 +97,31 @@ def _arguments_obj(arguments: str) -> Any:
 _ROLES = {"developer": "system", "function": "tool"}
 
 
-def _calls(msg: ChatMessage) -> list[tuple[ToolCall, str, Any]]:
-    """The message's tool calls as (call, name, arguments object); a legacy
-    `function_call` is one; a custom tool's call is the function it is shown as (its
-    input the one argument: gateway/tools.py)."""
+def _calls(msg: ChatMessage, fmt: ToolFormat,
+           raw: frozenset[str]) -> list[tuple[ToolCall, str, Any, str | None]]:
+    """The message's tool calls as (call, name, arguments object, raw spelling); a
+    legacy `function_call` is one; a custom tool's call is the function it is shown as
+    (its input the one argument: gateway/tools.py), and one of the `raw` custom tools
+    is spelled as the grammar makes the model write it (its input as it is)."""
     calls = msg.tool_calls or ([ToolCall(function=msg.function_call)] if msg.function_call else [])
-    return [(c, c.custom.name, {CUSTOM_INPUT: c.custom.input}) if c.type == "custom"
-            else (c, c.function.name, _arguments_obj(c.function.arguments)) for c in calls]
+    out = []
+    for c in calls:
+        if c.type == "custom":
+            name, args = c.custom.name, {CUSTOM_INPUT: c.custom.input}
+            spelled = fmt.spell_raw(name, c.custom.input) if name in raw else None
+        else:
+            name, args, spelled = c.function.name, _arguments_obj(c.function.arguments), None
+        out.append((c, name, args, spelled))
+    return out
 
 
 def _spelled_message(msg: ChatMessage, text: str, fmt: ToolFormat = HERMES,
                      raw: frozenset[str] = frozenset()) -> dict:
     """One message with tool calls / results spelled out for a template without tools
-    (calls in the server's format; those of the `raw` custom tools with their input
-    as it is)."""
+    (calls in the server's format)."""
     role = _ROLES.get(msg.role, msg.role)
-    if msg.role == "assistant" and (calls := _calls(msg)):
-        spelled = fmt.separator.join(
-            fmt.spell_raw(name, c.custom.input) if c.type == "custom" and name in raw
-            else fmt.spell(name, args) for c, name, args in calls)
+    if msg.role == "assistant" and (calls := _calls(msg, fmt, raw)):
+        spelled = fmt.separator.join(s or fmt.spell(name, args) for _, name, args, s in calls)
         text = "\n".join(([text] if text else []) + [spelled])
     if role == "tool":
         text = f"<tool_response>\n{text}\n</tool_response>"
@@ -125,20 +131,16 @@ def _spelled_message(msg: ChatMessage, text: str, fmt: ToolFormat = HERMES,
 def _native_message(msg: ChatMessage, text: str, fmt: ToolFormat = HERMES,
                     raw: frozenset[str] = frozenset()) -> dict:
     """One message for a template that knows tools: calls as its `tool_calls`, but
-    those of the `raw` custom tools spelled into the content as the grammar makes the
-    model write them (the template would show them as JSON arguments)."""
+    raw ones spelled into the content as the grammar makes the model write them (the
+    template would show them as JSON arguments)."""
     out: dict[str, Any] = {"role": _ROLES.get(msg.role, msg.role), "content": text}
-    calls = _calls(msg)
-    spelled = [fmt.spell_raw(name, c.custom.input) for c, name, _ in calls
-               if c.type == "custom" and name in raw]
-    if spelled:
+    calls = _calls(msg, fmt, raw)
+    if spelled := [s for *_, s in calls if s is not None]:
         out["content"] = "\n".join(([text] if text else []) + spelled)
-    calls = [(c, name, args) for c, name, args in calls
-             if not (c.type == "custom" and name in raw)]
-    if calls:
+    if json_calls := [(c, name, args) for c, name, args, s in calls if s is None]:
         out["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": name, "arguments": args}}
-                             for c, name, args in calls]
+                             for c, name, args in json_calls]
     if msg.tool_call_id:
         out["tool_call_id"] = msg.tool_call_id
     if msg.name:
