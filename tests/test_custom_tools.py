@@ -221,27 +221,13 @@ def test_walks_into_a_raw_lark_call_parse_back_in_its_language(tokenizer, vocab,
     mode = resolve_tool_mode(req)
     so, _ = structured_from_request(req, mode)
     compiled = build_backend("llguidance", vocab, tokenizer).compile(so)
-    size, rng, seen = len(tokenizer), random.Random(3), {"calc": 0, "get_weather": 0}
-    for k in range(24):
-        m, bm = compiled.new_matcher(), allocate_bitmask(1, size)
-        out = tokenizer.encode(("Sure. " if choice == "auto" and answer is None else "")
-                               + "<tool_call>", add_special_tokens=False)
-        assert m.accept_tokens(out)
-        for _ in range(80):
-            m.fill_bitmask(bm, 0)
-            allowed = allowed_token_ids(bm, 0, size)
-            assert allowed and all(vocab.token_bytes[t] is not None for t in allowed
-                                   if t != vocab.eos_token_id)
-            if vocab.eos_token_id in allowed and (rng.random() < 0.5 or len(allowed) == 1):
-                break
-            short = [t for t in allowed if t != vocab.eos_token_id
-                     and len(vocab.token_bytes[t]) <= 2]
-            t = rng.choice(short or [t for t in allowed if t != vocab.eos_token_id])
-            assert m.accept_tokens([t])
-            out.append(t)
-        else:
+    rng, seen = random.Random(3), {"calc": 0, "get_weather": 0}
+    prefix = tokenizer.encode(("Sure. " if choice == "auto" and answer is None else "")
+                              + "<tool_call>", add_special_tokens=False)
+    for _ in range(24):
+        text = _walk(compiled, vocab, len(tokenizer), rng, prefix, steps=80, stop=0.5, short=True)
+        if text is None:
             continue
-        text = b"".join(vocab.token_bytes[t] for t in out).decode()
         _, calls = parse_tool_output(mode, text)
         assert len(calls) == 1, text
         if calls[0].type == "custom":
@@ -357,6 +343,30 @@ def vocab(tokenizer):
     return TokenVocab.from_tokenizer(tokenizer, len(tokenizer))
 
 
+def _walk(compiled, vocab, size: int, rng, prefix: list[int], steps: int, stop: float,
+          short: bool = False) -> str | None:
+    """A random walk under the mask after `prefix` (accepted first): the text once the
+    end of sequence is taken (with probability `stop` where allowed, always where it is
+    the only token), None after `steps` tokens without it. `short`: prefer tokens of at
+    most two bytes (walks that close). No special token but the end is ever allowed."""
+    m, bm, out = compiled.new_matcher(), allocate_bitmask(1, size), list(prefix)
+    assert m.accept_tokens(out)
+    for _ in range(steps):
+        m.fill_bitmask(bm, 0)
+        allowed = allowed_token_ids(bm, 0, size)
+        assert allowed and all(vocab.token_bytes[t] is not None for t in allowed
+                               if t != vocab.eos_token_id)
+        if vocab.eos_token_id in allowed and (rng.random() < stop or len(allowed) == 1):
+            return b"".join(vocab.token_bytes[t] for t in out).decode()
+        choices = [t for t in allowed if t != vocab.eos_token_id]
+        if short:
+            choices = [t for t in choices if len(vocab.token_bytes[t]) <= 2] or choices
+        t = rng.choice(choices)
+        assert m.accept_tokens([t])
+        out.append(t)
+    return None
+
+
 def _accepts(compiled, tokenizer, vocab, text: str) -> bool:
     m = compiled.new_matcher()
     return (m.accept_tokens(tokenizer.encode(text, add_special_tokens=False))
@@ -392,24 +402,12 @@ def test_walks_under_a_named_custom_tool_stay_in_its_language(tokenizer, vocab, 
     the end of sequence is ever allowed."""
     so = tool_constraint(_mode([tool], named(tool["custom"]["name"])))
     backend = build_backend(so.backend if so.backend != "auto" else "llguidance", vocab, tokenizer)
-    compiled, size = backend.compile(so), len(tokenizer)
-    rng, finished = random.Random(11), 0
+    compiled, rng, finished = backend.compile(so), random.Random(11), 0
     for _ in range(16):
-        m, out, bm = compiled.new_matcher(), [], allocate_bitmask(1, size)
-        for _ in range(60):
-            m.fill_bitmask(bm, 0)
-            allowed = allowed_token_ids(bm, 0, size)
-            assert allowed and all(vocab.token_bytes[t] is not None for t in allowed
-                                   if t != vocab.eos_token_id)
-            if vocab.eos_token_id in allowed and (rng.random() < 0.3 or len(allowed) == 1):
-                break
-            t = rng.choice([t for t in allowed if t != vocab.eos_token_id])
-            assert m.accept_tokens([t])
-            out.append(t)
-        else:
+        text = _walk(compiled, vocab, len(tokenizer), rng, [], steps=60, stop=0.3)
+        if text is None:
             continue
         finished += 1
-        text = b"".join(vocab.token_bytes[t] for t in out).decode()
         assert check.fullmatch(text), text
     assert finished >= 8
 
