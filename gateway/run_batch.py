@@ -172,7 +172,8 @@ def run(args: argparse.Namespace, config, requests) -> int:
         out = sys.stdout if args.output_file == "-" else \
             stack.enter_context(open(args.output_file, "w", encoding="utf-8"))
         counts = asyncio.run(run_lines(app, lines, out, concurrency))
-    print(f"formwork run-batch: {len(lines)} requests: {counts['ok']} answered, "
+    print(f"formwork run-batch: {len(lines)} request{'' if len(lines) == 1 else 's'}: "
+          f"{counts['ok']} answered, "
           f"{counts['refused']} refused by the server, {counts['invalid']} not requests, "
           f"in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return 0
