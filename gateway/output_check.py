@@ -103,8 +103,7 @@ def lark_grammars(params: StructuredOutputsParams | None, mode: ToolMode | None)
     if params.kind() == "grammar" and "::=" not in params.spec():     # Lark, not EBNF
         out.append(params.spec())
     if mode is not None and mode.kind != "named":
-        callable_names = {t.name for t in mode.tools}
-        out += [mode.custom[n].definition for n in sorted(mode.raw & callable_names)]
+        out += [mode.custom[n].definition for n in sorted(mode.raw_callable)]
     return [g for g in out if "<[" not in g]
 
 

@@ -145,12 +145,16 @@ class ToolMode:
                          if g is not None and g.syntax == "lark" and self.format.raw_calls)
 
     @property
+    def raw_callable(self) -> frozenset[str]:
+        """The raw custom tools among those that may be called (`tools`)."""
+        return self.raw & {t.name for t in self.tools}
+
+    @property
     def tagged(self) -> bool:
         """Whether the calls are written in the call format's tags (parsed as in free
         text): under "auto", and under "required" where a callable tool's input is
         raw (one or more tagged calls and nothing else, in place of one JSON document)."""
-        return self.kind == "auto" or (
-            self.kind == "required" and bool(self.raw & {t.name for t in self.tools}))
+        return self.kind == "auto" or (self.kind == "required" and bool(self.raw_callable))
 
     @property
     def in_prompt(self) -> bool:
@@ -275,7 +279,7 @@ def tool_constraint(mode: ToolMode,
         fn = next(t for t in mode.tools if t.name == mode.name)
         return StructuredOutputsParams(json=parameters_schema(fn))
     # a raw call's Lark content is llguidance's alone (structural_tag.LarkContent)
-    backend = "llguidance" if mode.raw & {t.name for t in mode.tools} else "auto"
+    backend = "llguidance" if mode.raw_callable else "auto"
     if mode.kind == "required" and mode.tagged:
         return StructuredOutputsParams(structural_tag=_calls_tag(mode), backend=backend)
     if mode.kind == "required":
