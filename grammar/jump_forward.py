@@ -8,7 +8,7 @@ so only tokens the matcher allows are ever returned.
 from __future__ import annotations
 
 from formwork.grammar.backend import Matcher
-from formwork.grammar.vocab import TokenVocab
+from formwork.grammar.vocab import PlainEncoder, TokenVocab
 
 
 class ForcedTextEncoder:
@@ -21,7 +21,8 @@ class ForcedTextEncoder:
     emptied when it reaches `max_entries` (schemas come and go)."""
 
     def __init__(self, tokenizer, vocab: TokenVocab, max_entries: int = 8192):
-        self._tokenizer, self._vocab, self._max = tokenizer, vocab, max_entries
+        self._vocab, self._max = vocab, max_entries
+        self._encode = PlainEncoder(tokenizer, vocab)
         self._ids: dict[str, tuple[int, ...]] = {}
 
     def ids(self, text: str) -> tuple[int, ...]:
@@ -40,7 +41,7 @@ class ForcedTextEncoder:
         the tokens do not spell `text` exactly. Not remembered: the closing search asks
         for whole paths, whose texts rarely repeat."""
         vocab = self._vocab
-        ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        ids = self._encode(text)
         spelled = [vocab.token_bytes[i] if 0 <= i < vocab.vocab_size else None for i in ids]
         if any(b is None for b in spelled) or b"".join(spelled) != text.encode("utf-8"):
             return ()

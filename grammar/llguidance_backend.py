@@ -22,7 +22,7 @@ from formwork.grammar.backend import (
 from formwork.grammar import unique_items, unique_items_matcher
 from formwork.grammar.llguidance_grammar import LIMITS, to_llguidance
 from formwork.grammar.structural_tag import LarkContent, triggered_tags
-from formwork.grammar.vocab import TokenVocab
+from formwork.grammar.vocab import PlainEncoder, TokenVocab
 from formwork.schemas.structured import StructuredOutputsParams
 
 
@@ -37,12 +37,16 @@ class _Vocabulary:
         self.tokens = [b if b is not None else b"\xff" + (vocab.encoded[i] or f"[{i}]").encode()
                        for i, b in enumerate(vocab.token_bytes)]
         self.special_token_ids = [i for i, b in enumerate(vocab.token_bytes) if b is None]
-        self._tokenizer = tokenizer
+        # llguidance tokenizes the text a grammar forces with this and allows those
+        # tokens: a special token's spelling inside a JSON key or enum value must come
+        # back as ordinary tokens, or the mask allows the special token alone (which
+        # the matcher then refuses: the request failed with "grammar rejected token").
+        self._encode = PlainEncoder(tokenizer, vocab)
 
     def __call__(self, text: bytes | str) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return self._encode(text)
 
 
 class LLGuidanceMatcher(Matcher):

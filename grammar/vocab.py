@@ -114,6 +114,58 @@ def first_id_by_bytes(token_bytes: Sequence[bytes | None]) -> dict[bytes, int]:
     return out
 
 
+class PlainEncoder:
+    """Text -> token ids as a model writing that text would spell it.
+
+    A tokenizer's `encode` turns the spelling of a special or added token inside
+    a text (`<|im_end|>` in a JSON key or enum value, `<tool_call>`) into that one
+    token, which a grammar never allows (its bytes are None above) and which no
+    output may contain. Here such spellings are written with ordinary tokens:
+    `split_special_tokens` first, then, for an added token that option leaves
+    whole, its text spelled greedily by the longest ordinary tokens."""
+
+    def __init__(self, tokenizer, vocab: TokenVocab):
+        self._tokenizer, self._vocab = tokenizer, vocab
+        self._by_bytes: dict[bytes, int] | None = None   # built on first need
+        self._max_len = 0
+        try:
+            tokenizer.encode("a", add_special_tokens=False, split_special_tokens=True)
+            self._split = True
+        except TypeError:          # a tokenizer without the option
+            self._split = False
+
+    def __call__(self, text: str) -> list[int]:
+        kw = {"split_special_tokens": True} if self._split else {}
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False, **kw))
+        tb, n = self._vocab.token_bytes, self._vocab.vocab_size
+        if all(0 <= i < n and tb[i] is not None for i in ids):
+            return ids
+        out: list[int] = []
+        for i in ids:
+            if 0 <= i < n and tb[i] is not None:
+                out.append(i)
+            else:
+                out.extend(self._spell(self._tokenizer.decode([i]).encode("utf-8")))
+        return out
+
+    def _spell(self, data: bytes) -> list[int]:
+        """`data` in ordinary tokens, longest first ([] for bytes no token spells)."""
+        if self._by_bytes is None:
+            self._by_bytes = first_id_by_bytes(self._vocab.token_bytes)
+            self._max_len = max(map(len, self._by_bytes), default=0)
+        out, pos = [], 0
+        while pos < len(data):
+            for size in range(min(self._max_len, len(data) - pos), 0, -1):
+                tid = self._by_bytes.get(data[pos:pos + size])
+                if tid is not None:
+                    out.append(tid)
+                    pos += size
+                    break
+            else:
+                return []
+        return out
+
+
 def _strict_prefix_ids(token_bytes: list[bytes | None]) -> frozenset[int]:
     """Ids whose bytes are a strict prefix of another token's bytes."""
     entries = sorted((b, i) for i, b in enumerate(token_bytes) if b)

@@ -1185,3 +1185,38 @@ def test_enum_and_const_served_keep_to_both(schema, texts, backend, compile_for,
         assert backend in ("xgrammar", "outlines") and "const" in schema
         return
     judge(compiled, tokenizer, vocab, schema, texts)
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar", "outlines"])
+def test_special_token_text_inside_keys_and_values(backend, compile_for, tokenizer, vocab):
+    """A key or enum value spelling a special token (`<|im_end|>`): the model must write
+    that text with ordinary tokens. llguidance tokenized the forced key with the
+    tokenizer's `encode`, which turns the spelling into the special token, so its mask
+    allowed that token alone and the matcher then refused it: the request failed
+    ("grammar rejected token"). Every backend now serves it; no special token appears."""
+    from formwork.grammar.vocab import PlainEncoder
+
+    schema = {"type": "object", "properties": {
+        "<|im_end|>": {"type": "integer"},
+        "tag": {"enum": ["<|im_start|>x", "</tool_call>", "<|endoftext|>"]}},
+        "required": ["<|im_end|>", "tag"], "additionalProperties": False}
+    _, compiled = compile_for(P(json=schema, whitespace="compact", backend=backend))
+    encode = PlainEncoder(tokenizer, vocab)
+    text = '{"<|im_end|>":3,"tag":"<|endoftext|>"}'
+    m = compiled.new_matcher()
+    assert m.accept_tokens(encode(text)) and m.accept_tokens([vocab.eos_token_id])
+    outputs = list(_walk_outputs(compiled, vocab, random.Random(backend)))
+    assert len(outputs) >= 6
+    for text in outputs:
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
+def test_plain_encoder_spells_special_token_text(tokenizer, vocab):
+    from formwork.grammar.vocab import PlainEncoder
+
+    encode = PlainEncoder(tokenizer, vocab)
+    text = 'a<|im_end|>b<|endoftext|>'
+    ids = encode(text)
+    assert all(vocab.token_bytes[i] is not None for i in ids)
+    assert b"".join(vocab.token_bytes[i] for i in ids) == text.encode()
+    assert encode("plain text") == tokenizer.encode("plain text", add_special_tokens=False)
