@@ -74,18 +74,6 @@ class _Unchecked(Exception):
     """A pattern the check cannot match in bounded time (or at all)."""
 
 
-class _Bytes:
-    """A vocabulary of the 256 bytes and an end token, for llguidance's TokenizerWrapper:
-    a grammar's parser over a text's bytes, with no model's tokenizer."""
-    eos_token_id = 256
-    bos_token_id = None
-    tokens = [bytes([i]) for i in range(256)] + [b"\xff[eos]"]
-    special_token_ids = [256]
-
-    def __call__(self, text: bytes | str) -> list[int]:
-        return list(text.encode() if isinstance(text, str) else text)
-
-
 _LARK_MATCHERS_KEPT = 256
 # grammar text -> (its byte-level matcher, None) or (None, why it does not compile), LRU
 _lark_matchers: dict[str, tuple[Any, str | None]] = {}
@@ -124,10 +112,10 @@ def _lark_matcher(grammar: str, build: bool) -> tuple[Any, str | None] | None:
         return None
     import llguidance as llg
 
+    from formwork.grammar.byte_vocab import byte_tokenizer
     from formwork.grammar.llguidance_grammar import LIMITS
     try:
-        tok = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()), n_vocab=257, slices=[])
-        m = llg.LLMatcher(tok, llg.LLMatcher.grammar_from_lark(grammar), log_level=0,
+        m = llg.LLMatcher(byte_tokenizer(), llg.LLMatcher.grammar_from_lark(grammar), log_level=0,
                           limits=llg.LLParserLimits(**LIMITS))
         kept = (None, _short(m.get_error())) if m.is_error() else (m, None)
     except Exception as e:      # never fail a request over its check: unchecked then

@@ -48,6 +48,7 @@ from formwork.grammar.schema_oneof import inferred_types, pairwise_disjoint
 from formwork.grammar.schema_pattern_names import pattern_name_issues, portable_pattern_names
 from formwork.grammar import unique_items
 from formwork.grammar.schema_rules import duplicate_name_issues
+from formwork.grammar.schema_values import inexact_values
 from formwork.grammar.schema_closing import close_declared_objects, drop_legacy_ref_siblings
 from formwork.grammar.schema_walk import child_path, iter_nodes, map_ref_targets, validator_class
 from formwork.grammar.structural_tag import (AnswerOrCalls, LarkContent, answer_or_calls,
@@ -314,6 +315,15 @@ def _refuse_int64_ranges(schema: Any) -> None:
                                  "integers, where this one would be 2^63 - 1")], "llguidance")
 
 
+def _refuse_inexact_values(schema: Any) -> None:
+    """An enum/const number llguidance would write as another number
+    (grammar/schema_values.py: 0.9619009378982257 written ...256), refused naming it."""
+    for sn in iter_nodes(schema):
+        if issues := inexact_values(sn, "llguidance"):
+            kw, detail = issues[0]
+            raise UnsupportedSchemaError([SchemaIssue(kw, sn.path, detail)], "llguidance")
+
+
 # Subschemas an instance is tested against, never generated from.
 _TESTED_ONLY = ("if", "not", "propertyNames")
 
@@ -395,6 +405,7 @@ def _checked_schema(schema: Any, params: StructuredOutputsParams) -> tuple[Any, 
                                      "llguidance")
     _refuse_float_multiples(schema)
     _refuse_int64_ranges(schema)
+    _refuse_inexact_values(schema)
     disputed = _disputed_pattern_names(schema)
     if disputed:                             # `allOf` beside it, say: merged, it may pass
         merged = normalize(schema, exact_false=True)

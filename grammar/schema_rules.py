@@ -41,6 +41,7 @@ from formwork.grammar.schema_oneof import (
     inferred_types as _types,
     pairwise_disjoint,
 )
+from formwork.grammar.schema_values import inexact_values
 from formwork.grammar.schema_walk import SchemaNode, is_legacy_draft, resolve_local_ref
 
 NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
@@ -280,6 +281,7 @@ def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
                               f"only {sorted(OUTLINES_FORMATS)} exactly)"))
     if node.get("items") is False:
         out.append(("items", "`items: false` is not supported"))
+    out += inexact_values(sn, "outlines")
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     required = node.get("required") if isinstance(node.get("required"), list) else []
     if len([p for p in props if p not in required]) > OUTLINES_MAX_OPTIONAL:

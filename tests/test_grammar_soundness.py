@@ -1187,6 +1187,70 @@ def test_enum_and_const_served_keep_to_both(schema, texts, backend, compile_for,
     judge(compiled, tokenizer, vocab, schema, texts)
 
 
+# enum/const numbers llguidance and outlines-core read as 64-bit floats and write back
+# as other numbers (found by random schemas, 2026-12-07; grammar/schema_values.py)
+INEXACT = [
+    (0.9619009378982257, ("llguidance", "outlines")),     # written ...256 by both
+    (123456789.12345679, ("llguidance", "outlines")),
+    (9007199254740993, ("llguidance",)),                  # written 9007199254740992
+    (1e23, ("llguidance",)),                              # written as the integer 10**23
+]
+
+
+@pytest.mark.parametrize("value,wrong", INEXACT)
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("keyword", ["enum", "const"])
+def test_enum_numbers_are_written_as_themselves(value, wrong, backend, keyword, compile_for,
+                                                tokenizer, vocab):
+    """A backend that would write an enum/const number as another one is refused
+    naming the keyword (auto then serves the schema with xgrammar, which writes the
+    schema's own text); whatever is served writes only values jsonschema passes."""
+    inner = {"enum": [value, "a"]} if keyword == "enum" else {"const": value}
+    schema = {"type": "object", "properties": {"v": inner}, "required": ["v"],
+              "additionalProperties": False}
+    params = P(json=schema, whitespace="compact", backend=backend)
+    if backend in wrong:
+        with pytest.raises(UnsupportedSchemaError) as err:
+            compile_for(params)
+        assert (err.value.issues[0].keyword, err.value.issues[0].path) == \
+            (keyword, "$.properties.v")
+        assert json.dumps(value) in str(err.value)
+        return
+    name, compiled = compile_for(params)
+    assert backend != "auto" or name == ("xgrammar" if "llguidance" in wrong else "llguidance")
+    outputs = list(_walk_outputs(compiled, vocab, random.Random(repr(value))))
+    assert outputs
+    for text in outputs:
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+    if keyword == "const":
+        assert accepts(compiled, tokenizer, vocab, json.dumps({"v": value}, separators=(",", ":")))
+
+
+@pytest.mark.parametrize("value", [1e20, -1e19, 3e19])
+def test_integer_typed_enum_values_past_int64_are_refused_by_llguidance(value, compile_for,
+                                                                          tokenizer, vocab):
+    """Beside `type: integer` llguidance reads an enum value as a 64-bit integer: 1e20
+    was written 9223372036854775807, and a value below -2^63 crashed the process
+    (SIGSEGV) building it. Refused without building it; auto serves xgrammar."""
+    schema = {"enum": [value, 2], "type": "integer"}
+    with pytest.raises(UnsupportedSchemaError) as err:
+        compile_for(P(json=schema, backend="llguidance"))
+    assert (err.value.issues[0].keyword, err.value.issues[0].path) == ("enum", "$")
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "xgrammar"
+    judge(compiled, tokenizer, vocab, schema, {"2": True, "9223372036854775807": False})
+    for text in _walk_outputs(compiled, vocab, random.Random(repr(value))):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
+def test_integer_typed_enum_values_inside_int64_stay_on_llguidance(compile_for, tokenizer, vocab):
+    schema = {"enum": [-4e18, 2.0, 0.5], "type": "integer"}    # 0.5: no integer, dropped
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {"-4000000000000000000": True, "2": True,
+                                               "0.5": False, "9223372036854775807": False})
+
+
 @pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar", "outlines"])
 def test_special_token_text_inside_keys_and_values(backend, compile_for, tokenizer, vocab):
     """A key or enum value spelling a special token (`<|im_end|>`): the model must write
