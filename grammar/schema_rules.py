@@ -247,6 +247,23 @@ def _length_next_to_pattern(node: dict, format_lengths: dict | None = None) -> I
     return out
 
 
+def _admits_anything(schema: Any, root: Any) -> bool:
+    """`true`, or a schema without assertions, also behind local `$ref`s (a property
+    `{"$ref": "#/$defs/any"}` with `any: {}` got the same malformed regex)."""
+    for _ in range(32):                    # a chain of refs, bounded (cycles included)
+        if schema is True:
+            return True
+        if not isinstance(schema, dict):
+            return False
+        if set(schema) & ASSERTIONS != {"$ref"} or not isinstance(schema["$ref"], str):
+            return not ASSERTIONS & schema.keys()
+        target = resolve_local_ref(root, schema["$ref"])
+        if target is None:
+            return False
+        schema = target[0]
+    return False
+
+
 def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     node, out = sn.schema, []
     types = _types(node)
@@ -260,14 +277,24 @@ def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
         if kw in node and node[kw] is not False:
             out.append((kw, "only `false` is enforced"))
     out += [(k, "the pattern/format would be dropped") for k, _ in _length_next_to_pattern(node)]
+    if "pattern" in node and "format" in node:       # it keeps the pattern
+        out.append(("format", "not enforced together with 'pattern'"))
+    prefix = node.get("prefixItems")
+    if isinstance(prefix, list):                     # it writes exactly the prefix
+        lo, hi = node.get("minItems"), node.get("maxItems")
+        if isinstance(lo, (int, float)) and not isinstance(lo, bool) and lo > len(prefix):
+            out.append(("minItems", f"beside prefixItems outlines-core writes exactly the "
+                                    f"{len(prefix)} prefix items"))
+        if isinstance(hi, (int, float)) and not isinstance(hi, bool) and hi < len(prefix):
+            out.append(("maxItems", f"beside prefixItems outlines-core writes exactly the "
+                                    f"{len(prefix)} prefix items"))
     if isinstance(node.get("pattern"), str) and not pattern_is_json_safe(node["pattern"]):
         out.append(("pattern", "may match a quote, backslash or control character"))
     elif isinstance(node.get("pattern"), str) and has_top_level_alternation(node["pattern"]):
         out.append(("pattern", "an alternation outside any group (outlines-core writes the "
                                "pattern between the string's quotes without parentheses)"))
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-    untyped = [k for k, v in props.items()
-               if v is True or (isinstance(v, dict) and not ASSERTIONS & v.keys())]
+    untyped = [k for k, v in props.items() if _admits_anything(v, root)]
     if untyped:
         out.append(("properties", f"property {untyped[0]!r} admits any value; outlines-core's "
                                   "regex for that is malformed (a bare value passes at the root)"))

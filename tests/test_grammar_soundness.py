@@ -231,9 +231,15 @@ def test_outlines_root_array_next_to_properties(compile_for, tokenizer, vocab):
                                                '{"a":1}': False})
 
 
-def test_outlines_refuses_untyped_properties_that_it_would_mangle():
-    schema = {"type": "object", "properties": {"out": {"description": "anything"}},
-              "required": ["out"], "additionalProperties": False}
+@pytest.mark.parametrize("prop,defs", [
+    ({"description": "anything"}, {}),
+    # behind a $ref too (random schemas, 2026-12-07: the output was a bare string)
+    ({"$ref": "#/$defs/any"}, {"any": {}}),
+    ({"$ref": "#/$defs/a"}, {"a": {"$ref": "#/$defs/b"}, "b": True}),
+])
+def test_outlines_refuses_untyped_properties_that_it_would_mangle(prop, defs):
+    schema = {"type": "object", "properties": {"out": prop, "n": {"type": "integer"}},
+              "required": ["out"], "additionalProperties": False} | ({"$defs": defs} if defs else {})
     with pytest.raises(UnsupportedSchemaError, match="'properties'.*admits any value"):
         choose_backend(P(json=schema, backend="outlines"))
     assert choose_backend(P(json=schema)) == "llguidance"
@@ -1284,3 +1290,27 @@ def test_plain_encoder_spells_special_token_text(tokenizer, vocab):
     assert all(vocab.token_bytes[i] is not None for i in ids)
     assert b"".join(vocab.token_bytes[i] for i in ids) == text.encode()
     assert encode("plain text") == tokenizer.encode("plain text", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("schema,keyword,texts", [
+    # it kept the pattern and dropped the format: "áâöûô" for a uuid
+    ({"type": "string", "pattern": "^[a-f0-9-]+$", "format": "uuid"}, "format",
+     {'"xyz"': False, '"123e4567-e89b-12d3-a456-426614174000"': True}),
+    # beside prefixItems it wrote exactly the prefix: [1] under minItems 2
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2}, "minItems",
+     {"[1]": False, "[1,2]": True, "[1,\"a\"]": True}),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}],
+      "maxItems": 1}, "maxItems", {"[1,2]": False, "[1]": True}),
+])
+def test_outlines_refuses_keywords_its_regex_drops(schema, keyword, texts, compile_for,
+                                                   tokenizer, vocab):
+    with pytest.raises(UnsupportedSchemaError) as err:
+        compile_for(P(json=schema, backend="outlines"))
+    assert (err.value.issues[0].keyword, err.value.issues[0].path) == (keyword, "$")
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, texts)
+    checked = jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    for text in _walk_outputs(compiled, vocab, random.Random(keyword)):
+        assert checked.is_valid(json.loads(text)), text
