@@ -181,9 +181,11 @@ def float_safe_bounds(node: dict) -> dict:
     new bound lies under the old one: rounding is monotonic); lower bounds alike,
     upward. Draft 4's boolean `exclusiveMinimum`/`exclusiveMaximum` are read as
     such. A number written without a fraction reads as an exact int, so
-    integer-only nodes are left alone."""
-    if node.get("type") in ("integer", ["integer"]) or not _BOUND_KEYWORDS & node.keys():
+    integer-only nodes keep their bounds, unless one is past 2^53 (`_integer_bounds`)."""
+    if not _BOUND_KEYWORDS & node.keys():
         return node
+    if node.get("type") in ("integer", ["integer"]):
+        return _integer_bounds(node)
     out = dict(node)
     for exclusive, inclusive, upper in (("exclusiveMinimum", "minimum", False),
                                         ("exclusiveMaximum", "maximum", True)):
@@ -198,6 +200,58 @@ def float_safe_bounds(node: dict) -> dict:
         if bounds and all(b is not None for b in bounds):
             out[inclusive] = min(bounds) if upper else max(bounds)
     return node if out == node else out
+
+
+_INT64_MAX = 2 ** 63 - 1
+
+
+def _integer_bounds(node: dict) -> dict:
+    """An integer-only node whose bounds reach past 2^53, with inclusive bounds that
+    llguidance reads exactly: it reads a bound as a 64-bit float, so 9007199254740993
+    became 9007199254740992 (under `minimum` = `maximum` = 9007199254740993 it wrote
+    the integer below the minimum, and under 123456789012345678 one above the
+    maximum; 2^63 - 1, read as 2^63, it takes down to 2^63 - 1 again). The bounds
+    become the nearest integers inside them that a float holds exactly: stricter by less than the spacing of floats there (a range left empty is
+    then refused, and auto serves the node with xgrammar, which reads it exactly).
+    Other nodes are returned as they are."""
+    def exact(v: Any) -> bool:
+        return not is_number(v) or isinstance(v, int) and (abs(v) <= 2 ** 53 or float(v) == v
+                                                           or v >= _INT64_MAX) \
+            or isinstance(v, float) and abs(v) <= 2 ** 53
+    if all(exact(node.get(k)) for k in _BOUND_KEYWORDS):
+        return node
+    lows, highs = [], []
+    for exclusive, inclusive, out, step in (("exclusiveMinimum", "minimum", lows, 1),
+                                            ("exclusiveMaximum", "maximum", highs, -1)):
+        flag, v = node.get(exclusive), node.get(inclusive)
+        if is_number(v) and math.isfinite(v):
+            q = Fraction(v)
+            edge = math.ceil(q) if step > 0 else math.floor(q)
+            out.append(edge + step if flag is True and edge == q else edge)
+        if is_number(flag) and math.isfinite(flag):
+            q = Fraction(flag)
+            edge = math.floor(q) + 1 if step > 0 else math.ceil(q) - 1
+            out.append(edge)
+    out_node = {k: v for k, v in node.items() if k not in _BOUND_KEYWORDS}
+    if lows:
+        out_node["minimum"] = _held_inward(max(lows), up=True)
+    if highs:
+        out_node["maximum"] = _held_inward(min(highs), up=False)
+    return out_node
+
+
+def _held_inward(v: int, up: bool) -> int:
+    """The integer nearest `v` (at or above it if `up`, else at or below) that a
+    64-bit float holds exactly; an upper bound at or past 2^63 - 1 as it is (read as
+    the float 2^63, which llguidance takes down to 2^63 - 1: exact, or stricter)."""
+    if not up and v >= _INT64_MAX:
+        return v
+    f = float(v)
+    if up and f < v:
+        f = math.nextafter(f, math.inf)
+    elif not up and f > v:
+        f = math.nextafter(f, -math.inf)
+    return int(f)
 
 
 def _inside(bound: int | float, upper: bool, strict: bool) -> float | None:

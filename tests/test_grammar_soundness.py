@@ -1314,3 +1314,28 @@ def test_outlines_refuses_keywords_its_regex_drops(schema, keyword, texts, compi
         schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
     for text in _walk_outputs(compiled, vocab, random.Random(keyword)):
         assert checked.is_valid(json.loads(text)), text
+
+
+@pytest.mark.parametrize("schema,texts,served", [
+    # read as floats, the bounds became ...992 (below the minimum) and ...680 (above)
+    ({"type": "integer", "minimum": 9007199254740993, "maximum": 123456789012345678},
+     {"9007199254740993": True, "9007199254740992": False, "123456789012345680": False,
+      "123456789012345664": True}, "llguidance"),
+    ({"type": "integer", "exclusiveMinimum": 9007199254740993, "exclusiveMaximum": 2.0 ** 60},
+     {"9007199254740993": False, "9007199254740994": True, "1152921504606846976": False},
+     "llguidance"),
+    # a range no float-held integer lies in: llguidance refuses, xgrammar reads it exactly
+    ({"type": "integer", "minimum": 9007199254740995, "maximum": 9007199254740995},
+     {"9007199254740995": True, "9007199254740996": False}, "xgrammar"),
+])
+def test_integer_bounds_past_two_to_the_53(schema, texts, served, compile_for, tokenizer, vocab):
+    """llguidance reads an integer bound as a 64-bit float (random schemas,
+    2026-12-07): bounds past 2^53 are served as the nearest float-held integers
+    inside them, only stricter."""
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == served
+    sure = {t: ok for t, ok in texts.items() if not ok or served == "xgrammar"
+            or float(int(t)) == int(t)}
+    judge(compiled, tokenizer, vocab, schema, sure)
+    for text in _walk_outputs(compiled, vocab, random.Random(json.dumps(schema))):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
