@@ -42,7 +42,7 @@ from formwork.grammar.schema_oneof import (
     pairwise_disjoint,
 )
 from formwork.grammar.schema_values import inexact_values
-from formwork.grammar.schema_walk import SchemaNode, is_legacy_draft, resolve_local_ref
+from formwork.grammar.schema_walk import SchemaNode, is_legacy_draft, local_refs, resolve_local_ref
 
 NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 STRING = ("minLength", "maxLength", "pattern")
@@ -264,6 +264,28 @@ def _admits_anything(schema: Any, root: Any) -> bool:
     return False
 
 
+def _recursive_ref(ref: Any, root: Any) -> bool:
+    """Whether the local `$ref` leads, through the refs inside its target, back to
+    that target (a recursive schema: a list, a tree)."""
+    start = resolve_local_ref(root, ref) if isinstance(ref, str) else None
+    if start is None:
+        return False
+    seen: set[int] = set()
+    todo = [start[0]]
+    while todo:
+        node = todo.pop()
+        for r in local_refs(node):
+            target = resolve_local_ref(root, r)
+            if target is None:
+                continue
+            if target[0] is start[0]:
+                return True
+            if id(target[0]) not in seen:
+                seen.add(id(target[0]))
+                todo.append(target[0])
+    return False
+
+
 def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     node, out = sn.schema, []
     types = _types(node)
@@ -309,6 +331,9 @@ def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     if node.get("items") is False:
         out.append(("items", "`items: false` is not supported"))
     out += inexact_values(sn, "outlines")
+    if _recursive_ref(node.get("$ref"), root):
+        out.append(("$ref", "a recursive $ref: at its depth limit outlines-core writes an object "
+                            "without its required members and with a trailing comma (not JSON)"))
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     required = node.get("required") if isinstance(node.get("required"), list) else []
     if len([p for p in props if p not in required]) > OUTLINES_MAX_OPTIONAL:

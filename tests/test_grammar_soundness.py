@@ -1339,3 +1339,27 @@ def test_integer_bounds_past_two_to_the_53(schema, texts, served, compile_for, t
     judge(compiled, tokenizer, vocab, schema, sure)
     for text in _walk_outputs(compiled, vocab, random.Random(json.dumps(schema))):
         assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+
+
+def test_outlines_refuses_recursive_refs(compile_for, tokenizer, vocab):
+    """A linked list (random schemas, 2026-12-07): at its recursion depth limit
+    outlines-core wrote `{"v": 3,}` (the required `next` dropped, a trailing comma:
+    not JSON). Refused naming `$ref`; auto serves it with llguidance. A `$ref` that
+    does not come back to its target is still served."""
+    schema = {"$ref": "#/$defs/node", "$defs": {"node": {
+        "type": "object", "properties": {
+            "v": {"const": 3}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+        "required": ["v", "next"], "additionalProperties": False}}}
+    with pytest.raises(UnsupportedSchemaError) as err:
+        compile_for(P(json=schema, backend="outlines"))
+    assert err.value.issues[0].keyword == "$ref"
+    name, compiled = compile_for(P(json=schema, whitespace="compact"))
+    assert name == "llguidance"
+    judge(compiled, tokenizer, vocab, schema, {'{"v":3,"next":null}': True,
+                                               '{"v":3,"next":{"v":3,"next":null}}': True,
+                                               '{"v":3}': False})
+    for text in _walk_outputs(compiled, vocab, random.Random("list")):
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+    flat = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {
+        "b": {"$ref": "#/$defs/b"}}, "required": ["b"]}, "b": {"type": "integer"}}}
+    assert compile_for(P(json=flat, backend="outlines"))[0] == "outlines"
