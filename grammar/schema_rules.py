@@ -320,6 +320,14 @@ def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     if untyped:
         out.append(("properties", f"property {untyped[0]!r} admits any value; outlines-core's "
                                   "regex for that is malformed (a bare value passes at the root)"))
+    # the same unparenthesized any-value regex inside an array or as the undeclared
+    # properties' value (`prefixItems: [{}, {const: 3}]` let "abc" through at the root)
+    prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+    for kw, subs in (("prefixItems", prefix), ("items", [node.get("items")]),
+                     ("additionalProperties", [node.get("additionalProperties")])):
+        if any(isinstance(v, dict) and _admits_anything(v, root) for v in subs):
+            out.append((kw, "an item or value that admits any value; outlines-core's regex for "
+                            "that is malformed (a bare value passes at the root)"))
     escaped = [k for k in props if any(c in '"\\' or ord(c) < 0x20 for c in k)]
     if escaped:
         out.append(("properties", f"property name {escaped[0]!r} needs JSON escapes, which "

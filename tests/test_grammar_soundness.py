@@ -1301,6 +1301,9 @@ def test_plain_encoder_spells_special_token_text(tokenizer, vocab):
      {"[1]": False, "[1,2]": True, "[1,\"a\"]": True}),
     ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}],
       "maxItems": 1}, "maxItems", {"[1,2]": False, "[1]": True}),
+    # its any-value regex unparenthesized inside the array: "abc" passed at the root
+    ({"type": "array", "prefixItems": [{"$ref": "#/$defs/any"}, {"const": 3}],
+      "$defs": {"any": {}}}, "prefixItems", {'"abc"': False, "[1,3]": True, '["a",3]': True}),
 ])
 def test_outlines_refuses_keywords_its_regex_drops(schema, keyword, texts, compile_for,
                                                    tokenizer, vocab):
