@@ -34,6 +34,7 @@ from formwork.grammar.schema_rules import (
     common_issues,
     ref_issues,
     outlines_only_issues,
+    recursive_ref_issues,
     xgrammar_only_issues,
 )
 from formwork.grammar.schema_normalize import map_subschemas, normalize
@@ -208,6 +209,8 @@ def find_issues(schema: Any, backend: str) -> list[SchemaIssue]:
         for rule in rules:
             issues += [SchemaIssue(kw, node.path, detail)
                        for kw, detail in rule(node, schema, validator)]
+    if backend == "outlines":
+        issues += [SchemaIssue(kw, path, detail) for kw, path, detail in recursive_ref_issues(schema)]
     return issues
 
 

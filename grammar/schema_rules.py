@@ -286,6 +286,19 @@ def _recursive_ref(ref: Any, root: Any) -> bool:
     return False
 
 
+def recursive_ref_issues(root: Any) -> list[tuple[str, str, str]]:
+    """(keyword, path, detail) of the first recursive local `$ref` of the document, for
+    outlines-core: at its recursion depth limit it wrote an object without its
+    required members and with a trailing comma (`{"v": 3,}`: not JSON). Checked over
+    the whole document, not per node: in drafts 3-7 a node with `$ref` gets no rules."""
+    for ref in sorted(local_refs(root)):
+        if _recursive_ref(ref, root):
+            return [("$ref", resolve_local_ref(root, ref)[1],
+                     f"the recursive $ref {ref!r}: at its depth limit outlines-core writes an "
+                     "object without its required members and with a trailing comma (not JSON)")]
+    return []
+
+
 def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     node, out = sn.schema, []
     types = _types(node)
@@ -339,9 +352,6 @@ def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     if node.get("items") is False:
         out.append(("items", "`items: false` is not supported"))
     out += inexact_values(sn, "outlines")
-    if _recursive_ref(node.get("$ref"), root):
-        out.append(("$ref", "a recursive $ref: at its depth limit outlines-core writes an object "
-                            "without its required members and with a trailing comma (not JSON)"))
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     required = node.get("required") if isinstance(node.get("required"), list) else []
     if len([p for p in props if p not in required]) > OUTLINES_MAX_OPTIONAL:

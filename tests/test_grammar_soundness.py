@@ -1366,3 +1366,18 @@ def test_outlines_refuses_recursive_refs(compile_for, tokenizer, vocab):
     flat = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {
         "b": {"$ref": "#/$defs/b"}}, "required": ["b"]}, "b": {"type": "integer"}}}
     assert compile_for(P(json=flat, backend="outlines"))[0] == "outlines"
+
+
+def test_outlines_refuses_recursive_refs_in_draft_4():
+    """In drafts 3-7 a node with `$ref` gets no per-node rules (the ref stands for its
+    target): the recursion is found over the whole document (random schema 57)."""
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+              "properties": {"x": {"$ref": "#/definitions/node"}}, "required": ["x"],
+              "definitions": {"node": {"type": "object", "properties": {
+                  "v": {"type": "string"},
+                  "next": {"anyOf": [{"$ref": "#/definitions/node"}, {"type": "null"}]}},
+                  "required": ["v", "next"]}}}
+    with pytest.raises(UnsupportedSchemaError) as err:
+        choose_backend(P(json=schema, backend="outlines"))
+    assert (err.value.issues[0].keyword, err.value.issues[0].path) == ("$ref", "$.definitions.node")
+    assert choose_backend(P(json=schema)) == "llguidance"
