@@ -132,8 +132,17 @@ class _Proof:
                 return out
         return None
 
+    def valid_values(self, v: dict) -> list | None:
+        """`_values` as the validator reads `v`: drafts 3 and 4 have no `const` (a
+        draft-04 schema's `const: false` is an annotation, so `oneOf: [{const: false},
+        {type: null}]` fails null, which both branches pass; xgrammar wrote it)."""
+        if "const" in v and self.validator is not None and \
+                "const" not in getattr(self.validator, "VALIDATORS", {"const": None}):
+            return v["enum"] if isinstance(v.get("enum"), list) else None
+        return _values(v)
+
     def valid_types(self, v: dict) -> set[str] | None:
-        values = _values(v)
+        values = self.valid_values(v)
         if values is not None:
             return set().union(*(value_types(x) for x in values)) if values else set()
         t = v.get("type")
@@ -148,7 +157,7 @@ class _Proof:
         if g is None or v is None or depth > _MAX_DEPTH or self.steps <= 0:
             return False
         self.steps -= 1
-        gv, vv = _values(g), _values(v)
+        gv, vv = _values(g), self.valid_values(v)
         if gv is not None:
             return not any(self.is_valid(y, v) for x in gv for y in emitted_forms(x))
         if vv is not None and not any(self.is_valid(y, g) for x in vv for y in _equal_forms(x)):

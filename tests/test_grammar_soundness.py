@@ -1381,3 +1381,20 @@ def test_outlines_refuses_recursive_refs_in_draft_4():
         choose_backend(P(json=schema, backend="outlines"))
     assert (err.value.issues[0].keyword, err.value.issues[0].path) == ("$ref", "$.definitions.node")
     assert choose_backend(P(json=schema)) == "llguidance"
+
+
+@pytest.mark.parametrize("backend", ["auto", "xgrammar", "llguidance"])
+def test_draft_4_const_does_not_prove_one_of_disjoint(backend):
+    """Draft 4 has no `const`: jsonschema reads `{"const": false}` there as `{}`, so
+    under `oneOf: [{const: false}, {type: null}]` null passes both branches and fails.
+    xgrammar wrote `{"x": null}` (random schema 817): the disjointness proof now reads
+    a branch as the declared draft does, and such a oneOf is refused."""
+    one_of = {"oneOf": [{"const": False}, {"type": "null"}]}
+    draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+              "properties": {"x": one_of}, "required": ["x"]}
+    with pytest.raises(UnsupportedSchemaError) as err:
+        choose_backend(P(json=draft4, backend=backend))
+    assert err.value.issues[0].keyword == "oneOf"
+    assert not jsonschema.Draft4Validator(draft4).is_valid({"x": None})
+    later = {k: v for k, v in draft4.items() if k != "$schema"}     # 2020-12: const counts
+    assert choose_backend(P(json=later, backend=backend))
