@@ -13,6 +13,11 @@ met a special token or a failed matcher.
 
   python bench/schema_fuzz.py [--start 0] [--count 1000] [--backend auto]
       [--walks 4] [--additional-properties declared|schema] [--print SEED]
+  python bench/schema_fuzz.py --engine [--start 0] [--count 300] [--max-tokens 48]
+
+`--engine` runs the schemas `auto` serves through `LLM.generate` instead (the whole
+decoding path: jump-forward, deferred masks, budget-aware closing), greedy and at
+temperature 1, and validates every output that parses.
 
 Found on its first runs (2026-12-07), each fixed with a regression test in
 tests/test_grammar_soundness.py: enum numbers llguidance and outlines-core wrote
@@ -255,6 +260,50 @@ def run(runner, seeds, verbose: bool = True) -> dict:
     return out
 
 
+def run_engine(seeds, max_tokens: int) -> dict:
+    """The schemas `auto` serves through the engine (`LLM.generate`: jump-forward,
+    deferred masks, budget-aware closing), each greedy and at temperature 1; every
+    output that parses is validated (formats checked). Tallies by finish reason;
+    the invalid ones printed."""
+    import jsonschema
+
+    from formwork import LLM, SamplingParams, StructuredOutputsParams
+    from formwork.grammar.selection import choose_backend
+
+    llm = LLM("SmolLM2-135M-Instruct", max_model_len=2048)
+    prompts, params, served = [], [], []
+    for seed in seeds:
+        schema = random_schema(seed)
+        try:
+            choose_backend(StructuredOutputsParams(json=schema))
+        except ValueError:                  # refused (UnsupportedSchemaError) or invalid
+            continue
+        for temperature in (0.0, 1.0):
+            prompts.append(f"Write JSON for this schema: {json.dumps(schema)[:300]}")
+            params.append(SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                         structured_outputs=StructuredOutputsParams(json=schema)))
+            served.append((seed, schema))
+    tally: collections.Counter = collections.Counter()
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    for (seed, schema), out in zip(served, llm.generate(prompts, params, use_tqdm=False)):
+        c = out.outputs[0]
+        tally[c.finish_reason] += 1
+        try:
+            value = json.loads(c.text)
+        except ValueError:
+            tally["not JSON, " + c.finish_reason] += 1
+            if c.finish_reason == "stop":
+                print(f"not JSON, seed {seed}: {c.text[:200]!r}", flush=True)
+            continue
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        errors = list(cls(schema, format_checker=checker).iter_errors(value))
+        tally[("invalid, " if errors else "valid, ") + c.finish_reason] += 1
+        if errors:
+            print(f"invalid, seed {seed} ({c.finish_reason}): {errors[0].validator}: "
+                  f"{c.text[:160]!r} {json.dumps(schema)[:300]}", flush=True)
+    return {"schemas": len(served) // 2, "requests": len(served), "tally": dict(tally)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--start", type=int, default=0)
@@ -264,10 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--walk-tokens", type=int, default=200)
     ap.add_argument("--additional-properties", default="declared", choices=("declared", "schema"))
     ap.add_argument("--print", type=int, default=None, metavar="SEED", help="print one seed's schema")
+    ap.add_argument("--engine", action="store_true",
+                    help="run the schemas auto serves through LLM.generate instead of walks")
+    ap.add_argument("--max-tokens", type=int, default=48, help="with --engine")
     args = ap.parse_args(argv)
     if args.print is not None:
         print(json.dumps(random_schema(args.print), indent=1))
         return 0
+    if args.engine:
+        out = run_engine(range(args.start, args.start + args.count), args.max_tokens)
+        print(f"{out['schemas']} schemas served of seeds {args.start}..{args.start + args.count - 1}, "
+              f"{out['requests']} requests (max_tokens {args.max_tokens}): {out['tally']}")
+        return 1 if any(k.startswith("invalid, stop") or k == "not JSON, stop" for k in out["tally"]) else 0
     import schema_coverage as sc
     from formwork.gpu.model_files import load_model_tokenizer
 
