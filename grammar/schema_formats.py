@@ -211,9 +211,10 @@ def _integer_bounds(node: dict) -> dict:
     became 9007199254740992 (under `minimum` = `maximum` = 9007199254740993 it wrote
     the integer below the minimum, and under 123456789012345678 one above the
     maximum; 2^63 - 1, read as 2^63, it takes down to 2^63 - 1 again). The bounds
-    become the nearest integers inside them that a float holds exactly: stricter by less than the spacing of floats there (a range left empty is
-    then refused, and auto serves the node with xgrammar, which reads it exactly).
-    Other nodes are returned as they are."""
+    become the nearest integers inside them that a float holds exactly: stricter by
+    less than the spacing of floats there (a range left empty is then refused, and
+    auto serves the node with xgrammar, which reads it exactly). Other nodes are
+    returned as they are."""
     def exact(v: Any) -> bool:
         return not is_number(v) or isinstance(v, int) and (abs(v) <= 2 ** 53 or float(v) == v
                                                            or v >= _INT64_MAX) \

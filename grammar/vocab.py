@@ -144,8 +144,8 @@ class PlainEncoder:
         for i in ids:
             if 0 <= i < n and tb[i] is not None:
                 out.append(i)
-            else:
-                out.extend(self._spell(self._tokenizer.decode([i]).encode("utf-8")))
+            else:          # an id kept when its text has no ordinary spelling
+                out.extend(self._spell(self._tokenizer.decode([i]).encode("utf-8")) or [i])
         return out
 
     def _spell(self, data: bytes) -> list[int]:
