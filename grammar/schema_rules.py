@@ -33,7 +33,7 @@ import json
 from typing import Any
 
 from formwork.grammar.regex_safety import has_top_level_alternation, pattern_is_json_safe
-from formwork.grammar.schema_formats import NARROWER_FORMAT
+from formwork.grammar.schema_formats import NARROWER_FORMAT, is_number
 from formwork.grammar.schema_lengths import MAX_FOLDED_COUNT, is_plain_length_pattern
 from formwork.grammar.schema_oneof import (
     branches_imply_type,
@@ -314,15 +314,14 @@ def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
     out += [(k, "the pattern/format would be dropped") for k, _ in _length_next_to_pattern(node)]
     if "pattern" in node and "format" in node:       # it keeps the pattern
         out.append(("format", "not enforced together with 'pattern'"))
-    prefix = node.get("prefixItems")
-    if isinstance(prefix, list):                     # it writes exactly the prefix
+    prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else None
+    if prefix is not None:                           # it writes exactly the prefix
         lo, hi = node.get("minItems"), node.get("maxItems")
-        if isinstance(lo, (int, float)) and not isinstance(lo, bool) and lo > len(prefix):
-            out.append(("minItems", f"beside prefixItems outlines-core writes exactly the "
-                                    f"{len(prefix)} prefix items"))
-        if isinstance(hi, (int, float)) and not isinstance(hi, bool) and hi < len(prefix):
-            out.append(("maxItems", f"beside prefixItems outlines-core writes exactly the "
-                                    f"{len(prefix)} prefix items"))
+        for kw, off in (("minItems", is_number(lo) and lo > len(prefix)),
+                        ("maxItems", is_number(hi) and hi < len(prefix))):
+            if off:
+                out.append((kw, f"beside prefixItems outlines-core writes exactly the "
+                                f"{len(prefix)} prefix items"))
     if isinstance(node.get("pattern"), str) and not pattern_is_json_safe(node["pattern"]):
         out.append(("pattern", "may match a quote, backslash or control character"))
     elif isinstance(node.get("pattern"), str) and has_top_level_alternation(node["pattern"]):
@@ -335,8 +334,7 @@ def outlines_only_issues(sn: SchemaNode, root: Any, validator: Any) -> Issues:
                                   "regex for that is malformed (a bare value passes at the root)"))
     # the same unparenthesized any-value regex inside an array or as the undeclared
     # properties' value (`prefixItems: [{}, {const: 3}]` let "abc" through at the root)
-    prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
-    for kw, subs in (("prefixItems", prefix), ("items", [node.get("items")]),
+    for kw, subs in (("prefixItems", prefix or []), ("items", [node.get("items")]),
                      ("additionalProperties", [node.get("additionalProperties")])):
         if any(isinstance(v, dict) and _admits_anything(v, root) for v in subs):
             out.append((kw, "an item or value that admits any value; outlines-core's regex for "
