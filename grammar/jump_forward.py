@@ -22,7 +22,7 @@ class ForcedTextEncoder:
 
     def __init__(self, tokenizer, vocab: TokenVocab, max_entries: int = 8192):
         self._vocab, self._max = vocab, max_entries
-        self._encode = PlainEncoder(tokenizer, vocab)
+        self._plain = PlainEncoder(tokenizer, vocab)
         self._ids: dict[str, tuple[int, ...]] = {}
 
     def ids(self, text: str) -> tuple[int, ...]:
@@ -41,7 +41,7 @@ class ForcedTextEncoder:
         the tokens do not spell `text` exactly. Not remembered: the closing search asks
         for whole paths, whose texts rarely repeat."""
         vocab = self._vocab
-        ids = self._encode(text)
+        ids = self._plain(text)
         spelled = [vocab.token_bytes[i] if 0 <= i < vocab.vocab_size else None for i in ids]
         if any(b is None for b in spelled) or b"".join(spelled) != text.encode("utf-8"):
             return ()

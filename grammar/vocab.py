@@ -128,15 +128,17 @@ class PlainEncoder:
         self._tokenizer, self._vocab = tokenizer, vocab
         self._by_bytes: dict[bytes, int] | None = None   # built on first need
         self._max_len = 0
-        try:
-            tokenizer.encode("a", add_special_tokens=False, split_special_tokens=True)
-            self._split = True
-        except TypeError:          # a tokenizer without the option
-            self._split = False
+        self._split = True         # until a tokenizer without the option says otherwise
 
     def __call__(self, text: str) -> list[int]:
-        kw = {"split_special_tokens": True} if self._split else {}
-        ids = list(self._tokenizer.encode(text, add_special_tokens=False, **kw))
+        if self._split:
+            try:
+                ids = list(self._tokenizer.encode(text, add_special_tokens=False,
+                                                  split_special_tokens=True))
+            except TypeError:      # a tokenizer without the option
+                self._split = False
+        if not self._split:
+            ids = list(self._tokenizer.encode(text, add_special_tokens=False))
         tb, n = self._vocab.token_bytes, self._vocab.vocab_size
         if all(0 <= i < n and tb[i] is not None for i in ids):
             return ids
