@@ -20,26 +20,19 @@ by `json.loads` and Python's `==`, as jsonschema compares enum members.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from formwork.grammar.schema_formats import is_number
 from formwork.grammar.schema_walk import SchemaNode
-
-_KEPT = 4096
-_written: dict[str, OrderedDict[str, str | None]] = {"llguidance": OrderedDict(),
-                                                      "outlines": OrderedDict()}
-_lock = threading.Lock()
 
 
 def _numbers(value: Any) -> Iterator[int | float]:
     """The numbers inside an enum/const value (in arrays and objects too)."""
-    if isinstance(value, bool):
-        return
-    if isinstance(value, (int, float)):
+    if is_number(value):
         yield value
     elif isinstance(value, list):
         for v in value:
@@ -97,18 +90,13 @@ _WRITERS: dict[str, Callable[[int | float, Any], str | None]] = {
 def written(v: int | float, backend: str, types: Any = None) -> str | None:
     """How `backend` writes the enum/const number `v` beside `type: types`
     (remembered per backend)."""
-    key = json.dumps([v, types])
-    cache = _written[backend]
-    with _lock:
-        if key in cache:
-            cache.move_to_end(key)
-            return cache[key]
-    text = _WRITERS[backend](v, types)
-    with _lock:
-        cache[key] = text
-        while len(cache) > _KEPT:
-            cache.popitem(last=False)
-    return text
+    return _written(json.dumps([v, types]), backend)
+
+
+@functools.lru_cache(maxsize=4096)
+def _written(key: str, backend: str) -> str | None:
+    v, types = json.loads(key)          # a float's JSON text reads back as that float
+    return _WRITERS[backend](v, types)
 
 
 def _equal(text: str | None, v: int | float) -> bool:
@@ -118,7 +106,7 @@ def _equal(text: str | None, v: int | float) -> bool:
         back = json.loads(text)
     except ValueError:
         return False
-    return not isinstance(back, bool) and isinstance(back, (int, float)) and back == v
+    return is_number(back) and back == v
 
 
 def _integer_typed(node: dict) -> bool:
@@ -137,7 +125,7 @@ def inexact_values(sn: SchemaNode, backend: str) -> list[tuple[str, str]]:
             continue
         values = [node[kw]] if kw == "const" else node[kw] if isinstance(node[kw], list) else []
         for value in values:
-            top = not isinstance(value, bool) and isinstance(value, (int, float))
+            top = is_number(value)
             for v in _numbers(value):
                 if _trivial(v):
                     continue
