@@ -120,7 +120,7 @@ def check_bounds(schema: Any) -> None:
             if _number(a) and _number(b) and a > b:
                 raise ValueError(f"invalid JSON Schema at {node.path}: {lo} {a} > {hi} {b}, "
                                  f"no {what} satisfies both")
-        if empty := _empty_number_range(node.schema):
+        if empty := _empty_number_range(node.schema) or _no_multiple_in_range(node.schema):
             raise ValueError(f"invalid JSON Schema at {node.path}: {empty}")
 
 
@@ -152,6 +152,43 @@ def _empty_number_range(node: dict) -> str:
     (lo_kw, lo, _), (hi_kw, hi, _) = lows[-1], highs[-1]
     return (f"{lo_kw} {lo} and {hi_kw} {hi}: no {'integer' if integers else 'number'} "
             "lies between them")
+
+
+def _no_multiple_in_range(node: dict) -> str:
+    """'' unless a bounded numeric node's `multipleOf` has no multiple between its
+    bounds (`minimum: 3, maximum: 4, multipleOf: 5`; beside `type: integer`, an
+    integer multiple of 2.5 is a multiple of 5, so `minimum = maximum = 2^53` holds
+    none). Numbers are read as the decimals they are written as, as the backends
+    write them. llguidance found some such ranges only at the first decoding step
+    (the request then failed in flight, a stream after its 200) and named `type`
+    for the others; this names `multipleOf` before anything runs."""
+    step = node.get("multipleOf")
+    if not _number(step) or step <= 0 or isinstance(step, float) and not math.isfinite(step):
+        return ""
+    t = node.get("type")               # untyped: a string or an object still passes
+    types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+    if not types or not types <= {"number", "integer"}:
+        return ""
+    exact = Fraction(repr(step)) if isinstance(step, float) else Fraction(step)
+    if "number" not in types:          # k * p/q is an integer only where q divides k
+        exact = Fraction(exact.numerator)
+    lows, highs = [], []               # least and greatest k admitted by each bound
+    for kw, excl, out, rounding in (("minimum", "exclusiveMinimum", lows, math.ceil),
+                                    ("maximum", "exclusiveMaximum", highs, math.floor)):
+        v, ex = node.get(kw), node.get(excl)
+        bounds = ([(v, ex is True)] if _number(v) else []) + ([(ex, True)] if _number(ex) else [])
+        for b, strict in bounds:
+            if isinstance(b, float) and not math.isfinite(b):
+                continue
+            q = (Fraction(repr(b)) if isinstance(b, float) else Fraction(b)) / exact
+            k = rounding(q)
+            if strict and k == q:
+                k += 1 if rounding is math.ceil else -1
+            out.append(k)
+    if not lows or not highs or max(lows) <= min(highs):
+        return ""
+    kind = "integer" if "number" not in types else "number"
+    return (f"multipleOf {step}: no {kind} between the node's bounds is a multiple of it")
 
 
 def _least(v: float, strict: bool, integers: bool) -> Fraction | None:
