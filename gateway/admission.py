@@ -13,8 +13,8 @@ import asyncio
 
 from formwork.gateway.errors import ServerShuttingDownError, TooManyWaitingError, count_error
 
-GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-OPEN_WHILE_DRAINING = ("/health", "/ping", "/metrics", "/version")
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/invocations")
+OPEN_WHILE_DRAINING = ("/health", "/ping", "/metrics", "/version", "/load")
 DEFAULT_MAX_WAITING = 1024
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 

@@ -52,7 +52,8 @@ log = logging.getLogger("formwork.gateway")
 # client reusing a connection just as the server closes it loses its POST with a
 # ReadError (seen in bench/soak.py). nginx's default is 75 s.
 KEEP_ALIVE_S = 75
-KEYED_PATHS = ("/tokenize", "/detokenize")      # outside /v1, still behind the API key
+# outside /v1, still behind the API key
+KEYED_PATHS = ("/tokenize", "/detokenize", "/invocations", "/reset_prefix_cache")
 
 
 class AuthMiddleware:

@@ -13,6 +13,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from formwork.gateway.openapi_doc import document_request_bodies
@@ -224,6 +225,16 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
         return invalid_json(detail).to_response()
     param, text = describe_validation_errors(errors)
     return bad_request(text, param=param).to_response()
+
+
+def parse_body(cls, body: dict):
+    """`body` (a route's JSON object) read as the pydantic model `cls`, failing as a
+    request body FastAPI reads does: a 400 naming the field."""
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
+                                      for err in e.errors()]) from None
 
 
 def _counted(request: Request, response: JSONResponse) -> JSONResponse:

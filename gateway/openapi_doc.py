@@ -1,16 +1,18 @@
 """What the published OpenAPI document says about request bodies FastAPI cannot
-infer: POST /tokenize takes `body: dict` (gateway/serving_tokenize.py picks the
-completion or the chat shape itself, for clearer errors than a union's), so its
-body is documented here as either model. Schemathesis (tests/test_schemathesis.py)
+infer: POST /tokenize and POST /invocations take `body: dict` (gateway/serving_tokenize.py
+and gateway/routes.py pick the completion or the chat shape themselves, for clearer
+errors than a union's), so their bodies are documented here as either model. Schemathesis (tests/test_schemathesis.py)
 holds the document to what the server accepts.
 """
 from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
+from formwork.schemas.openai import ChatCompletionRequest, CompletionRequest
 from formwork.schemas.openai_tokenize import TokenizeChatRequest, TokenizeCompletionRequest
 
-UNION_BODIES = {("/tokenize", "post"): (TokenizeCompletionRequest, TokenizeChatRequest)}
+UNION_BODIES = {("/tokenize", "post"): (TokenizeCompletionRequest, TokenizeChatRequest),
+                ("/invocations", "post"): (ChatCompletionRequest, CompletionRequest)}
 
 
 def document_request_bodies(schema: dict) -> None:

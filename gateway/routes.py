@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from formwork.gateway.dp_client import DPEngineClient
 from formwork.gateway.dp_router import sum_stats
-from formwork.gateway.errors import EngineDeadError
+from formwork.gateway.errors import APIError, EngineDeadError, bad_request, parse_body
 from formwork.gateway.metrics import CONTENT_TYPE
 from formwork.gateway.serving import ServerState
 from formwork.gateway.serving_chat import create_chat_completion
@@ -61,6 +61,40 @@ async def get_response(response_id: str, request: Request):
 async def delete_response(response_id: str, request: Request):
     request.app.state.responses.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.post("/invocations")
+async def invocations(request: Request, body: dict[str, Any] = Body()):
+    """SageMaker's inference route, read as vLLM reads it: a body with `messages` is
+    a chat completion, one with `prompt` a completion (streamed or not, the same
+    answers as /v1/chat/completions and /v1/completions)."""
+    state = _state(request)
+    if "messages" in body:
+        return await create_chat_completion(state, parse_body(ChatCompletionRequest, body), request)
+    if "prompt" in body:
+        return await create_completion(state, parse_body(CompletionRequest, body), request)
+    raise bad_request("invocations: the body is neither a chat completion request "
+                      "('messages') nor a completion request ('prompt')", param="messages")
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request):
+    """Empty the engines' prefix caches (vLLM's dev-mode route, e.g. between benchmark
+    runs): 200 {"reset": true}; 409 while requests are running (nothing changed)."""
+    engine = _state(request).engine
+    engines = engine.engines if isinstance(engine, DPEngineClient) else [engine]
+    done = [(await e.call_utility("reset_prefix_cache")).done for e in engines]
+    if not all(done):
+        raise APIError(409, "The prefix cache was not reset: requests are running; retry "
+                            "when the server is idle.", code="engine_busy")
+    return {"reset": True}
+
+
+@router.get("/load")
+async def load(request: Request):
+    """vLLM's server load: the generation requests in flight (what a load balancer
+    reads to pick the least busy replica)."""
+    return {"server_load": request.app.state.admission.generating}
 
 
 @router.get("/v1/models")

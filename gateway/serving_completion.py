@@ -138,7 +138,9 @@ def _usage(prep: PreparedCompletion, finals: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(ids) for _, ids in prep.prompts)
     completion = sum(len(c.token_ids) for ro in finals for c in ro.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details={"cached_tokens": sum(ro.num_cached_tokens
+                                                                 for ro in finals)})
 
 
 def _best(prep: PreparedCompletion, outputs: list[CompletionOutput]) -> list[CompletionOutput]:

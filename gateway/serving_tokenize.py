@@ -14,11 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 
 from formwork.gateway.chat import build_chat_prompt
-from formwork.gateway.errors import bad_request
+from formwork.gateway.errors import bad_request, parse_body
 from formwork.gateway.params import template_kwargs
 from formwork.gateway.serving import ServerState
 from formwork.gateway.tools import HERMES, ToolFormat, resolve_tool_mode
@@ -30,12 +28,8 @@ from formwork.schemas.openai_tokenize import (DetokenizeRequest, DetokenizeRespo
 def parse_tokenize_request(body: dict[str, Any]) -> TokenizeChatRequest | TokenizeCompletionRequest:
     """The messages form when the body has `messages`, else the prompt form; a body
     that fits neither fails like any other request body (400 naming the field)."""
-    cls = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
-    try:
-        return cls.model_validate(body)
-    except ValidationError as e:
-        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
-                                      for err in e.errors()]) from None
+    return parse_body(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest,
+                      body)
 
 
 def _chat_ids(tokenizer, req: TokenizeChatRequest, kwargs: dict | None,

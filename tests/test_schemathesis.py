@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 # operations whose generated requests are worth the time: the generation paths and
 # the small ones around them (metrics/health/docs carry no request body)
 OPERATIONS = ("POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize",
-              "POST /detokenize", "POST /v1/responses", "GET /v1/models")
+              "POST /detokenize", "POST /v1/responses", "GET /v1/models", "POST /invocations")
 EXAMPLES = 40
 
 

@@ -392,3 +392,48 @@ def test_vllm_flags_with_nothing_to_do_are_taken_or_refused_by_value():
                 ["--cpu-offload-gb", "4"]):
         with pytest.raises(SystemExit):
             _parsed(["serve", *bad])
+
+
+def test_sagemaker_invocations_answer_as_the_openai_routes(yaml_server):
+    """SageMaker posts every inference to /invocations (vLLM reads `messages` as a chat
+    completion, `prompt` as a completion): the same answers, streams, 400s and key."""
+    url = f"{yaml_server.url}/invocations"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    direct = httpx.post(f"{yaml_server.url}/v1/chat/completions", headers=H, timeout=60,
+                        json=chat).json()
+    r = httpx.post(url, headers=H, timeout=60, json=chat)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    assert r.json()["choices"][0]["message"] == direct["choices"][0]["message"]
+    done = httpx.post(url, headers=H, timeout=60, json={"prompt": "1, 2, 3,", "max_tokens": 3,
+                                                          "temperature": 0})
+    assert done.status_code == 200 and done.json()["object"] == "text_completion"
+    streamed = httpx.post(url, headers=H, timeout=60, json={**chat, "stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    chunks = [json.loads(x[6:]) for x in streamed.text.splitlines() if x.startswith("data: {")]
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                   if c["choices"]) == direct["choices"][0]["message"]["content"]
+    for body, param in (({"input": "hi"}, "messages"), ({"messages": "hi"}, "messages"),
+                        ({"prompt": "x", "max_tokens": -5}, "max_tokens")):
+        bad = httpx.post(url, headers=H, timeout=60, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert httpx.post(url, timeout=60, json=chat).status_code == 401
+
+
+def test_load_and_reset_prefix_cache(yaml_server):
+    """vLLM's /load (generation requests in flight) and /reset_prefix_cache: after the
+    reset a repeated prompt finds nothing cached."""
+    load = httpx.get(f"{yaml_server.url}/load", timeout=30)
+    assert load.status_code == 200 and load.json() == {"server_load": 0}
+    body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 12, "max_tokens": 1}
+
+    def cached() -> int:
+        r = httpx.post(f"{yaml_server.url}/v1/completions", headers=H, timeout=60, json=body)
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0
+    assert httpx.post(f"{yaml_server.url}/reset_prefix_cache", timeout=30).status_code == 401
+    reset = httpx.post(f"{yaml_server.url}/reset_prefix_cache", headers=H, timeout=30)
+    assert reset.status_code == 200 and reset.json() == {"reset": True}
+    assert cached() == 0
