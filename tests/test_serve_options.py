@@ -437,3 +437,18 @@ def test_load_and_reset_prefix_cache(yaml_server):
     reset = httpx.post(f"{yaml_server.url}/reset_prefix_cache", headers=H, timeout=30)
     assert reset.status_code == 200 and reset.json() == {"reset": True}
     assert cached() == 0
+
+
+def test_a_reset_while_a_request_runs_is_refused_and_load_counts_it(yaml_server):
+    body = {"prompt": "a", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{yaml_server.url}/v1/completions", headers=H, json=body,
+                      timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        assert httpx.get(f"{yaml_server.url}/load", timeout=30).json() == {"server_load": 1}
+        busy = httpx.post(f"{yaml_server.url}/reset_prefix_cache", headers=H, timeout=30)
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "engine_busy"
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    assert httpx.get(f"{yaml_server.url}/load", timeout=30).json() == {"server_load": 0}
+    assert httpx.post(f"{yaml_server.url}/reset_prefix_cache", headers=H,
+                      timeout=30).json() == {"reset": True}
