@@ -324,6 +324,8 @@ def _chunk(request_id: str, created: int, model: str, choice: ChatStreamChoice |
         c["delta"] = model_choice.delta.model_dump(mode="json", exclude_none=True)
         if model_choice.logprobs is None:
             c["logprobs"] = None
+        if model_choice.finish_reason is None:
+            del c["stop_reason"]
     drop_unset(data["choices"])
     drop_unset([data])
     if not include_usage:
@@ -406,6 +408,7 @@ def _choice_chunks(c: CompletionOutput, parser: ToolStreamParser, text: TokenTex
         reason = finish_reason_with_tools(c.finish_reason, parser.num_calls, parser.mode,
                                           c.stop_reason)
         pieces.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
+                                       stop_reason=c.stop_reason,
                                        formwork=verdict.field() if verdict else None))
     if token_ids and c.delta_token_ids:
         if not pieces:

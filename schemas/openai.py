@@ -589,6 +589,7 @@ class ChatStreamChoice(ResponseModel):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None        # vLLM's: on the finish chunk only
     token_ids: list[int] | None = None          # return_token_ids: this chunk's new ids
     formwork: OutputCheck | None = None        # on the finish chunk of a constrained choice
 
