@@ -110,6 +110,7 @@ class ClosingSearch:
             [t for b, t in singles if b.isspace()]
         self.eos = eos_token_id
         self._bytes = {t: b for b, t in singles}
+        self._digits = [t for b, t in singles if b.isdigit()]
         self._token_bytes = vocab.token_bytes
         self._len = [len(b) if b is not None else 1 << 20 for b in vocab.token_bytes[:vocab_size]]
         self._row = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
@@ -252,6 +253,8 @@ class ClosingSearch:
                 if tid is None:              # no closer: the first allowed single byte
                     singles = self._candidates(self._mask_of(node, matcher)[1], [])
                     tid = singles[0] if singles else None
+                if tid in self._digits:      # a number's last digit may be what ends it
+                    tid = self._ending_digit(matcher, closers) or tid
                 repeats = repeats + 1 if tid is not None and tid in recent else 0
                 if repeats == REPEATS:       # once per run
                     tid = self._other_kind(node, matcher, tid, {tid, *recent})
@@ -269,6 +272,23 @@ class ClosingSearch:
                     return path, LONG
         finally:
             matcher.rollback(len(path))
+
+    def _ending_digit(self, matcher: Matcher, closers: list[int]) -> int | None:
+        """A digit after which the number may end (the output may, or a closer that
+        is not a digit is accepted), if any: under `multipleOf: 7` the closers' '0'
+        after `123` only multiplies by ten and never reaches a multiple, while one
+        digit always does (10n + d covers every residue). Asks the matcher (~10
+        accepts, no mask); its state is unchanged."""
+        enders = [t for t in closers if t not in self._digits]
+        for d in self._digits:
+            if not matcher.accept_tokens([d]):
+                continue
+            try:
+                if self.can_end(matcher) or any(matcher.accepts(t) for t in enders):
+                    return d
+            finally:
+                matcher.rollback(1)
+        return None
 
     def _other_kind(self, node: _Node, matcher: Matcher, tid: int, run: set[int]) -> int:
         """A single byte `node`'s mask allows that is not in `run` (the tokens of a

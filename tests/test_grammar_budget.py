@@ -299,6 +299,25 @@ def test_an_integer_does_not_take_zeros_for_ever(manager, tokenizer):
     assert json.loads('{"id": 12' + tokenizer.decode(list(dive)))["id"] < 10**6
 
 
+@pytest.mark.parametrize(("schema", "written"), [
+    ({"type": "number", "multipleOf": 7}, "2022010100"),
+    ({"type": "integer", "multipleOf": 13}, "123456789"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7}},
+      "required": ["n"], "additionalProperties": False}, '{"n": 100'),
+    ({"type": "array", "items": {"type": "integer", "multipleOf": 11}}, "[3"),
+])
+def test_a_number_under_multiple_of_is_closed_by_its_next_digit(manager, tokenizer, schema,
+                                                               written):
+    """Under `multipleOf: 7` the closers' '0' after 2022010100 only multiplies by ten
+    and never reaches a multiple: the dive wrote zeros until it gave up, and outputs
+    of 128 digits were cut invalid. One digit always reaches one (10n + d covers
+    every residue): the path is that digit and what closes around it."""
+    matcher, search = _search(manager, tokenizer, schema, written)
+    path = search.path(matcher, 4)
+    assert path is not None and matcher.accept_tokens(path) and search.can_end(matcher)
+    jsonschema.validate(json.loads(written + tokenizer.decode(path)), schema)
+
+
 def test_a_dive_through_patterned_items_asks_few_masks(manager, tokenizer):
     """Sixty patterned strings cannot close in 24 tokens: the dive finds that
     (LONG) asking the matcher about single tokens, with a mask only where a new
