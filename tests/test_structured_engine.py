@@ -26,11 +26,13 @@ def tiny(tiny_model_dir):
     llm.shutdown()
 
 
-def drain(eng, limit=500):
-    outs = []
-    for _ in range(limit):
-        if not eng.has_unfinished_requests():
-            break
+def drain(eng, timeout_s=120):
+    """Steps until every request has finished. Bounded by time, not by steps: a step
+    waiting on a grammar compile returns at once, and a first compile (cold backend,
+    the module run alone) outlasted 500 such steps."""
+    outs, deadline = [], time.monotonic() + timeout_s
+    while eng.has_unfinished_requests():
+        assert time.monotonic() < deadline, "requests still unfinished"
         outs += eng.step().outputs
     return outs
 
