@@ -106,13 +106,20 @@ class _Detok:
         self.stops = params.stop or []
         self.include_stop = params.include_stop_str_in_output
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        # as vLLM's: stop strings are looked for once more than min_tokens are out
+        self.min_tokens = params.min_tokens
+        self.count = 0            # tokens added
         self.text = ""
         self.emitted = 0          # chars of self.text already sent as deltas
 
     def add(self, token_id: int) -> str | None:
         """Appends one token's text; returns the stop string hit, if any."""
+        self.count += 1
         piece = self._stream.step(self._tok, token_id)
         if not piece:
+            return None
+        if self.count <= self.min_tokens:
+            self.text += piece
             return None
         start = max(0, len(self.text) - self.holdback)
         self.text += piece
@@ -137,6 +144,7 @@ class _Child:
     params: SamplingParams
     detok: _Detok
     out: CompletionOutput
+    eos: int | None = None
 
 
 @dataclass(slots=True)
@@ -175,7 +183,7 @@ class OutputProcessor:
         for i in range(params.n):
             cp = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             cid = child_id(request_id, i, params.n)
-            child = _Child(parent, i, cp, _Detok(self.tokenizer, cp), CompletionOutput(index=i))
+            child = _Child(parent, i, cp, _Detok(self.tokenizer, cp), CompletionOutput(index=i), eos)
             if cp.logprobs is not None:
                 child.out.logprobs, child.out.cumulative_logprob = [], 0.0
             parent.children.append(child)
@@ -200,6 +208,11 @@ class OutputProcessor:
         """Applies one engine output to a child; returns True if a stop string ended it."""
         out = child.out
         stop_hit = None
+        # The token that ended the output (the end token, or one of stop_token_ids) is
+        # kept in token_ids but not written into the text unless
+        # include_stop_str_in_output, as vLLM does: with skip_special_tokens=False a
+        # JSON output was followed by `<|im_end|>`, and a stop token's own text stayed.
+        ender = len(eo.new_token_ids) - 1 if self._ended_by_token(child, eo) else -1
         for k, tid in enumerate(eo.new_token_ids):
             out.token_ids.append(tid)
             out.delta_token_ids.append(tid)
@@ -208,6 +221,8 @@ class OutputProcessor:
                 out.logprobs.append(lp)
                 out.delta_logprobs = (out.delta_logprobs or []) + [lp]
                 out.cumulative_logprob += lp.chosen.logprob
+            if k == ender:
+                break
             stop_hit = child.detok.add(tid)
             if stop_hit is not None:
                 break
@@ -221,6 +236,18 @@ class OutputProcessor:
         if eo.prompt_logprobs is not None and child.parent.prompt_logprobs is None:
             child.parent.prompt_logprobs = self._prompt_logprobs(eo.prompt_logprobs)
         return stop_hit is not None and eo.finish_reason is None
+
+    @staticmethod
+    def _ended_by_token(child: _Child, eo: EngineCoreOutput) -> bool:
+        """Whether `eo` finished `child` on an end token or a stop token id (its last
+        new token), whose text the output leaves out unless include_stop_str_in_output."""
+        if eo.finish_reason != FinishReason.STOP or not eo.new_token_ids \
+                or child.params.include_stop_str_in_output:
+            return False
+        last = eo.new_token_ids[-1]
+        if isinstance(eo.stop_reason, int) and not isinstance(eo.stop_reason, bool):
+            return last == eo.stop_reason
+        return eo.stop_reason is None and last == child.eos and not child.params.ignore_eos
 
     def _text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

@@ -329,6 +329,68 @@ def test_stop_strings_apply_under_a_constraint(tokenizer):
     assert abort == [ereq.request_id]
 
 
+def _processed(tokenizer, sp, ids, *, finish=None, stop_reason=None, chunks=1):
+    """The text an OutputProcessor makes of `ids` sent in `chunks` engine outputs, the
+    last one finishing with `finish` / `stop_reason`."""
+    from formwork.gateway.output_processor import OutputProcessor
+    from formwork.schemas.engine import EngineCoreOutput, FinishReason
+    op = OutputProcessor(tokenizer)
+    (ereq,) = op.add_request("r", "p", [1, 2], sp)
+    cut = len(ids) // chunks
+    parts = [ids[i * cut:(i + 1) * cut] for i in range(chunks - 1)] + [ids[(chunks - 1) * cut:]]
+    for k, part in enumerate(parts):
+        last = k == len(parts) - 1
+        outs, _ = op.process_outputs([EngineCoreOutput(
+            request_id=ereq.request_id, new_token_ids=part,
+            finish_reason=FinishReason(finish) if last and finish else None,
+            stop_reason=stop_reason if last else None)])
+        if outs and outs[0].outputs[0].finished:
+            break
+    return outs[0].outputs[0]
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_the_token_that_ends_an_output_is_not_written_into_its_text(tokenizer, chunks):
+    """As vLLM: the end token, or a stop token id, stays in token_ids but not in the
+    text (unless include_stop_str_in_output). With skip_special_tokens=False a JSON
+    output came back as `{"a": 1}<|im_end|>`, which no client parses."""
+    body = tokenizer.encode('{"a": 1}', add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    raw = SamplingParams(max_tokens=64, skip_special_tokens=False)
+    c = _processed(tokenizer, raw, body + [eos], finish="stop", chunks=chunks)
+    assert (c.text, list(c.token_ids)) == ('{"a": 1}', body + [eos])
+    c = _processed(tokenizer, raw.clone(include_stop_str_in_output=True), body + [eos],
+                   finish="stop", chunks=chunks)
+    assert c.text == '{"a": 1}' + tokenizer.decode([eos])
+    dot = tokenizer.encode(".", add_special_tokens=False)[0]
+    words = tokenizer.encode("Hi there", add_special_tokens=False)
+    sp = SamplingParams(max_tokens=64, stop_token_ids=[dot])
+    c = _processed(tokenizer, sp, words + [dot], finish="stop", stop_reason=dot, chunks=chunks)
+    assert (c.text, c.token_ids[-1], c.stop_reason) == ("Hi there", dot, dot)
+    c = _processed(tokenizer, sp.clone(include_stop_str_in_output=True), words + [dot],
+                   finish="stop", stop_reason=dot, chunks=chunks)
+    assert c.text == "Hi there."
+    # a grammar that ended on a content token keeps it; an output cut at max_tokens too
+    c = _processed(tokenizer, SamplingParams(max_tokens=64), body, finish="stop", chunks=chunks)
+    assert c.text == '{"a": 1}'
+    c = _processed(tokenizer, raw.clone(ignore_eos=True), body + [eos], finish="length",
+                   chunks=chunks)
+    assert c.text == '{"a": 1}' + tokenizer.decode([eos])
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """As vLLM (its PR 22014): a stop string counts only in text that comes after the
+    first min_tokens tokens; before, it was cut at once (an output of 1 token under
+    min_tokens 18)."""
+    ids = tokenizer.encode(" is Lee, and I'm a student in the college", add_special_tokens=False)
+    cut = _processed(tokenizer, SamplingParams(max_tokens=64, stop=["e"]), ids)
+    assert (cut.text, cut.stop_reason) == (" is L", "e")
+    late = _processed(tokenizer, SamplingParams(max_tokens=64, stop=["e"], min_tokens=5), ids)
+    prefix = tokenizer.decode(ids[:5])
+    assert late.stop_reason == "e" and late.text.startswith(prefix) and len(late.token_ids) > 5
+    assert "e" not in late.text[len(prefix):] and "e" in prefix
+
+
 # ---- 4. smalls ------------------------------------------------------------------------
 
 def test_tool_calls_absent_when_none_called():
