@@ -247,7 +247,8 @@ class OutputProcessor:
         last = eo.new_token_ids[-1]
         if isinstance(eo.stop_reason, int) and not isinstance(eo.stop_reason, bool):
             return last == eo.stop_reason
-        return eo.stop_reason is None and last == child.eos and not child.params.ignore_eos
+        # (under ignore_eos too: a grammar that has ended allows only the end token)
+        return eo.stop_reason is None and last == child.eos
 
     def _text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

@@ -376,6 +376,10 @@ def test_the_token_that_ends_an_output_is_not_written_into_its_text(tokenizer, c
     c = _processed(tokenizer, raw.clone(ignore_eos=True), body + [eos], finish="length",
                    chunks=chunks)
     assert c.text == '{"a": 1}' + tokenizer.decode([eos])
+    # under ignore_eos an output still ends on the end token where its grammar ended
+    c = _processed(tokenizer, raw.clone(ignore_eos=True), body + [eos], finish="stop",
+                   chunks=chunks)
+    assert c.text == '{"a": 1}'
 
 
 def test_stop_strings_wait_for_min_tokens(tokenizer):
