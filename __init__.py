@@ -45,6 +45,22 @@ outputs.__getattr__ = _outputs_getattr
 outputs = _sys.modules.setdefault("formwork.outputs", outputs)
 
 
+def _reader_getattr(name):
+    from formwork.gateway import metrics_reader
+    if name in ("Metric", "Counter", "Gauge", "Histogram", "Vector"):
+        return getattr(metrics_reader, name)
+    raise AttributeError(f"module 'formwork.v1.metrics.reader' has no attribute {name!r}")
+
+
+# vLLM's `vllm.v1.metrics.reader` (what LLM.get_metrics returns), loaded on first use
+for _name in ("formwork.v1", "formwork.v1.metrics", "formwork.v1.metrics.reader"):
+    _sys.modules.setdefault(_name, _types.ModuleType(_name))
+_sys.modules["formwork.v1.metrics.reader"].__getattr__ = _reader_getattr
+_sys.modules["formwork.v1"].metrics = _sys.modules["formwork.v1.metrics"]
+_sys.modules["formwork.v1.metrics"].reader = _sys.modules["formwork.v1.metrics.reader"]
+v1 = _sys.modules["formwork.v1"]
+
+
 def __getattr__(name):
     # LLM pulls in torch and the engine: import it only when asked for.
     if name == "LLM":

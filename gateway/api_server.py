@@ -36,7 +36,7 @@ from formwork.gateway.limits import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware, lo
 from formwork.gateway import output_check
 from formwork.gateway.metrics import Metrics
 from formwork.gateway.responses_store import ResponseStore
-from formwork.gateway.routes import router
+from formwork.gateway.routes import dev_mode, dev_router, router
 from formwork.gateway.serve_options import (HTTPOptions, RequestOptions, generation_defaults,
                                            generation_eos_ids)
 from formwork.gateway.version import version
@@ -210,6 +210,8 @@ def build_app(config: EngineConfig, *, served_model_names: list[str] | None = No
     app.state.responses = ResponseStore()      # store/previous_response_id (last 1000)
     install_error_handlers(app)
     app.include_router(router)
+    if dev_mode():
+        app.include_router(dev_router)
     app.add_middleware(AdmissionMiddleware, admission=app.state.admission)
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)

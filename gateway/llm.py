@@ -149,6 +149,9 @@ class LLM:
             self.engine = EngineCore(self.config, hooks=step_hooks)
         self.tokenizer = self.engine.tokenizer
         self._processor = OutputProcessor(self.tokenizer)
+        from formwork.gateway.metrics import Metrics
+        from formwork.gpu.model_files import DEFAULT_MODEL
+        self._metrics = Metrics(self.config.model or DEFAULT_MODEL)     # get_metrics()
         # the generation config's end ids beside the tokenizer's stop every request (as vLLM)
         self._extra_stop = generation_eos_ids(folder, self.tokenizer.eos_token_id)
         self._ids = itertools.count()
@@ -295,6 +298,8 @@ class LLM:
             bar = tqdm(total=len(order), desc="Processed prompts", unit="req", dynamic_ncols=True)
         n_out = 0
         t0 = time.perf_counter()
+        from formwork.gateway.metrics import RequestTimer
+        timers = {rid: RequestTimer() for rid in order}
         try:
             while len(finished) < len(order):
                 if not self.engine.has_unfinished_requests():
@@ -304,7 +309,11 @@ class LLM:
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 for ro in results:
+                    timer = timers[ro.request_id]
+                    timer.on_tokens(sum(len(c.delta_token_ids) for c in ro.outputs))
                     if ro.finished:
+                        self._metrics.observe_finished(timer, len(ro.prompt_token_ids),
+                                                       [c.finish_reason for c in ro.outputs])
                         for c in ro.outputs:     # vLLM's shape: [{token_id: Logprob}, ...]
                             if c.logprobs is not None:
                                 c.logprobs = self._processor.sample_logprobs(c.logprobs)
@@ -433,6 +442,16 @@ class LLM:
 
     def get_stats(self):
         return self.engine.get_stats()
+
+    def get_metrics(self) -> list:
+        """vLLM's `LLM.get_metrics()`: every metric as a Counter, Gauge or Histogram
+        (`formwork.v1.metrics.reader`, vLLM's `vllm.v1.metrics.reader`) with the
+        server's /metrics names: requests by finish reason, prompt and generation
+        tokens, latency histograms of `generate`/`chat` calls, the engine's queues, KV
+        usage, prefix cache, preemptions and grammar work."""
+        from formwork.gateway.metrics_reader import snapshot
+        self._metrics.set_engine_stats(self.engine.get_stats())
+        return snapshot(self._metrics.registry)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (vLLM's `LLM.reset_prefix_cache()`, e.g. between

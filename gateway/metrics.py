@@ -10,7 +10,8 @@ formwork_constrained_outputs_total{result="valid|invalid|unchecked"}.
 vLLM's names are exposed beside formwork's (same values, `model_name` label), so
 dashboards built for vLLM work: vllm:num_requests_running / _waiting,
 vllm:kv_cache_usage_perc and its old name vllm:gpu_cache_usage_perc (a 0-1
-fraction whatever the device), vllm:prompt_tokens_total,
+fraction whatever the device), vllm:prefix_cache_queries_total /
+_hits_total, vllm:num_preemptions_total, vllm:prompt_tokens_total,
 vllm:generation_tokens_total, vllm:request_success_total{finished_reason},
 vllm:time_to_first_token_seconds, vllm:time_per_output_token_seconds and
 vllm:e2e_request_latency_seconds (histograms).
@@ -72,6 +73,16 @@ class _EngineCollector:
             g = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
             yield g
+        counters = {
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                                     s.prefix_cache_queries),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            "num_preemptions": ("Requests preempted for KV space.", s.num_preemptions),
+        }
+        for name, (doc, value) in counters.items():
+            c = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
 
     def collect(self):
         s = self.stats
@@ -237,10 +248,15 @@ class Metrics:
     def observe_error(self, status: int) -> None:
         self._errors.labels(self.model_name, str(status)).inc()
 
-    def render(self, stats: EngineStats | None,
-               engines: list[EngineSample] | None = None) -> bytes:
-        """`stats`: the engine's (under data parallelism: the engines' sum);
-        `engines`: per-engine samples, data parallelism only."""
+    def set_engine_stats(self, stats: EngineStats | None,
+                         engines: list[EngineSample] | None = None) -> None:
+        """What the engine-side series show from now on. `stats`: the engine's (under
+        data parallelism: the engines' sum); `engines`: per-engine samples, data
+        parallelism only."""
         self._engine.stats = stats
         self._dp.samples = engines or []
+
+    def render(self, stats: EngineStats | None,
+               engines: list[EngineSample] | None = None) -> bytes:
+        self.set_engine_stats(stats, engines)
         return generate_latest(self.registry)

@@ -5,6 +5,7 @@ serving module that answers it, or reads the server's state (/health, /metrics,
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 from fastapi import APIRouter, Body, Request
@@ -77,7 +78,19 @@ async def invocations(request: Request, body: dict[str, Any] = Body()):
                       "('messages') nor a completion request ('prompt')", param="messages")
 
 
-@router.post("/reset_prefix_cache")
+# Routes served only in development mode (VLLM_SERVER_DEV_MODE=1 or
+# FORMWORK_SERVER_DEV_MODE=1, as vLLM gates its own): emptying the prefix cache takes
+# every tenant's prefix hits away.
+dev_router = APIRouter()
+DEV_MODE_VARS = ("FORMWORK_SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE")
+
+
+def dev_mode() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in DEV_MODE_VARS)
+
+
+@dev_router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request):
     """Empty the engines' prefix caches (vLLM's dev-mode route, e.g. between benchmark
     runs): 200 {"reset": true}; 409 while requests are running (nothing changed)."""

@@ -390,3 +390,41 @@ def test_vllm_sampling_fields_and_call_arguments(llm):
             llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, **kw)
     assert llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, lora_request=None,
                     chat_template_content_format="string")[0].outputs[0].token_ids
+
+
+def test_get_metrics_counts_what_generate_did(llm):
+    """vLLM's `LLM.get_metrics()` and its reader types (`formwork.v1.metrics.reader`):
+    the token and request counters move by what one `generate` did, the latency
+    histograms gain one observation per request, the engine's gauges read idle after."""
+    from formwork.v1.metrics.reader import Counter, Gauge, Histogram
+
+    def read():
+        ms = llm.get_metrics()
+        assert all(isinstance(m, (Counter, Gauge, Histogram)) for m in ms)
+        counters = {(m.name, m.labels.get("finished_reason")): m.value for m in ms
+                    if isinstance(m, Counter)}
+        hist = {m.name: m for m in ms if isinstance(m, Histogram)}
+        gauges = {m.name: m.value for m in ms if isinstance(m, Gauge)}
+        return counters, hist, gauges
+
+    before, h0, _ = read()
+    outs = llm.generate([{"prompt_token_ids": _ids(9, 3)}, {"prompt_token_ids": _ids(5, 4)}],
+                        [SamplingParams(max_tokens=6, ignore_eos=True),
+                         SamplingParams(max_tokens=4, n=2, ignore_eos=True)], use_tqdm=False)
+    after, h1, gauges = read()
+    made = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    assert made == 14
+    for prefix in ("vllm:", "formwork_"):
+        assert after[(f"{prefix}generation_tokens", None)] - \
+            before.get((f"{prefix}generation_tokens", None), 0) == made
+        assert after[(f"{prefix}prompt_tokens", None)] - \
+            before.get((f"{prefix}prompt_tokens", None), 0) == 14
+        assert after[(f"{prefix}request_success", "length")] - \
+            before.get((f"{prefix}request_success", "length"), 0) == 3
+        e2e = f"{prefix}e2e_request_latency_seconds"
+        assert h1[e2e].count - (h0[e2e].count if e2e in h0 else 0) == 2
+        assert h1[e2e].buckets["+Inf"] == h1[e2e].count and h1[e2e].sum > 0
+    assert gauges["vllm:num_requests_running"] == 0 and gauges["vllm:kv_cache_usage_perc"] == 0
+    stats = llm.get_stats()
+    assert after[("vllm:num_preemptions", None)] == stats.num_preemptions
+    assert after[("vllm:prefix_cache_queries", None)] == stats.prefix_cache_queries

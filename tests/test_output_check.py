@@ -138,11 +138,13 @@ def test_metrics_render_vllm_names_and_constrained_results():
     m.observe_constrained("invalid")
     stats = EngineStats(num_running=2, num_waiting=1, num_waiting_for_grammar=1,
                         kv_total_blocks=100, kv_free_blocks=75, kv_cached_blocks=5,
-                        prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+                        prefix_cache_queries=40, prefix_cache_hits=16, num_preemptions=3,
                         grammar_compiles=0, grammar_cache_hits=0, grammar_compile_seconds=0.0,
                         bitmask_seconds=0.0, steps=1)
     s = _samples(m.render(stats).decode())
     lab = '{model_name="smol"}'
+    assert (s[f"vllm:prefix_cache_queries_total{lab}"], s[f"vllm:prefix_cache_hits_total{lab}"],
+            s[f"vllm:num_preemptions_total{lab}"]) == (40, 16, 3)
     assert s[f"vllm:num_requests_running{lab}"] == 2
     assert s[f"vllm:num_requests_waiting{lab}"] == 2          # incl. waiting for a grammar
     assert s[f"vllm:kv_cache_usage_perc{lab}"] == s[f"vllm:gpu_cache_usage_perc{lab}"] == 0.25

@@ -292,7 +292,7 @@ def yaml_server(tiny_model_dir, tmp_path_factory):
         "structured-outputs-config: {backend: llguidance}\n")
     s = Server(str(tiny_model_dir), "--config", str(folder / "serve.yaml"),
                "--structured-outputs-config.disable_any_whitespace", "true",
-               "--no-enable-chunked-prefill")
+               "--no-enable-chunked-prefill", env={"VLLM_SERVER_DEV_MODE": "1"})
     yield s
     s.stop()
 
@@ -420,9 +420,12 @@ def test_sagemaker_invocations_answer_as_the_openai_routes(yaml_server):
     assert httpx.post(url, timeout=60, json=chat).status_code == 401
 
 
-def test_load_and_reset_prefix_cache(yaml_server):
-    """vLLM's /load (generation requests in flight) and /reset_prefix_cache: after the
+def test_load_and_reset_prefix_cache(yaml_server, flags_server):
+    """vLLM's /load (generation requests in flight) and /reset_prefix_cache, which is
+    served in development mode only (VLLM_SERVER_DEV_MODE=1, as vLLM): after the
     reset a repeated prompt finds nothing cached."""
+    assert httpx.post(f"{flags_server.url}/reset_prefix_cache", headers=H,
+                      timeout=30).status_code == 404
     load = httpx.get(f"{yaml_server.url}/load", timeout=30)
     assert load.status_code == 200 and load.json() == {"server_load": 0}
     body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 12, "max_tokens": 1}

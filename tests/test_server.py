@@ -42,15 +42,17 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, *args: str, api_key: str | None = KEY, timeout_s: float = 600,
-                 new_session: bool = False, formwork: tuple[str, ...] = CLI, cwd: str = ROOT) -> None:
+                 new_session: bool = False, formwork: tuple[str, ...] = CLI, cwd: str = ROOT,
+                 env: dict[str, str] | None = None) -> None:
         """`formwork serve *args` on a free loopback port; `formwork` is the command that
-        stands for the console script (default: this interpreter's `-m` of it)."""
+        stands for the console script (default: this interpreter's `-m` of it); `env`:
+        variables set beside this process's."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="formwork-server-", suffix=".log")
         cmd = [*formwork, "serve", *args, "--host", "127.0.0.1", "--port", str(self.port),
                "--log-level", "info"] + (["--api-key", api_key] if api_key else [])
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=new_session)
         deadline = time.monotonic() + timeout_s
