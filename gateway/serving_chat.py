@@ -28,7 +28,8 @@ from formwork.gateway.serving import (ServerState, TokenText, blame, generate_fi
                              run_until_disconnect, sse, sse_error, stream_outputs)
 from formwork.gateway.completion_logprobs import prompt_logprobs_field
 from formwork.gateway.tool_parser import ToolStreamParser, finish_reason_with_tools, parse_tool_output
-from formwork.gateway.tools import ToolMode, custom_constraint, parameters_schema, resolve_tool_mode
+from formwork.gateway.tools import (ToolMode, custom_constraint, parameters_schema, resolve_tool_mode,
+                                    tag_answer)
 from formwork.schemas.engine import TokenLogprobs
 from formwork.schemas.openai import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                             ChatCompletionResponse, ChatStreamChoice, ChoiceLogprobs, DeltaMessage,
@@ -86,6 +87,24 @@ async def _blame_a_tool(state: ServerState, req: ChatCompletionRequest, mode: To
             json=parameters_schema(fn)), where, backend)
 
 
+_ANSWER_PATH = "$.format.elements[0].json_schema"       # tools.tag_answer's place
+
+
+def _answer_refusal(req: ChatCompletionRequest, structured: StructuredOutputsParams,
+                    err: APIError) -> APIError | None:
+    """Where no tool fails alone, the response_format beside them is what the combined
+    constraint could not serve (tool_choice auto: the answer or calls, one structural
+    tag, where a keyword served alone may not be): its refusal names
+    `response_format` and the path inside the answer's own schema, not the wrapper's."""
+    if req.response_format is None or tag_answer(structured.structural_tag or {}) is None:
+        return None
+    reason = err.message.removeprefix(f"{err.param}: ") if err.param else err.message
+    reason = reason.replace(_ANSWER_PATH + ".", "$.").replace(_ANSWER_PATH, "$")
+    return bad_request(f"response_format: beside tools (tool_choice auto) the answer is served "
+                       f"inside the tool-call constraint, where this schema is refused: {reason}",
+                       param="response_format")
+
+
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
     """All validation before anything is queued. The constraint check runs in a worker
     thread (it may compile); templating and tokenizing on a tokenizer worker thread
@@ -104,9 +123,11 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
         try:
             await check_constraint(state.constraints, structured, source,
                                    state.engine.config.structured_backend)
-        except APIError:
+        except APIError as err:
             if source == "tools" and mode is not None:
                 await _blame_a_tool(state, req, mode)
+                if (answer := _answer_refusal(req, structured, err)) is not None:
+                    raise answer from None
             raise
         if grammars := lark_grammars(structured, mode):      # the output check's parsers
             await asyncio.to_thread(prepare_lark, grammars)

@@ -603,3 +603,36 @@ def test_a_tool_schema_no_value_meets_is_named_where_it_is(tokenizer, tool_choic
                                       "tool_choice": choice}))
     assert err["param"] == f"tools[{len(tools) - 1}].function.parameters", err
     assert f"keyword '{keyword}' at $.properties.x" in err["message"], err
+
+
+def test_an_answer_schema_the_tool_constraint_cannot_carry_is_named_as_response_format(
+        tokenizer):
+    """Beside tools in auto mode the response_format's schema is served inside the
+    tool-call constraint (a structural tag), where uniqueItems and a number's
+    multipleOf are not enforced although each is alone: the refusal named `tools`
+    and a path into formwork's wrapper ($.format.elements[0].json_schema...)."""
+    from types import SimpleNamespace
+
+    from formwork.gateway.api_server import build_app
+    from formwork.gateway.metrics import Metrics
+    from formwork.gateway.serving import ServerState
+    from formwork.schemas.config import EngineConfig
+
+    app = build_app(EngineConfig(), served_model_names=["m"])
+    app.state.server = ServerState(engine=SimpleNamespace(config=EngineConfig()),
+                                   tokenizer=tokenizer, served_model_names=("m",),
+                                   max_model_len=1024, metrics=Metrics("m"))
+    answer = {"type": "object", "properties": {
+        "v": {"anyOf": [{"type": "number", "multipleOf": 0.5}, {"type": "boolean"}]},
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+        "required": ["v", "tags"], "additionalProperties": False}
+    body = {"model": "m", "messages": MSGS, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": answer}}}
+    from formwork.grammar.selection import choose_backend
+    from formwork.schemas.structured import StructuredOutputsParams
+    assert choose_backend(StructuredOutputsParams(json=answer)) == "llguidance"  # alone
+    client = TestClient(app, raise_server_exceptions=False)
+    err = _body_error(client.post("/v1/chat/completions", json={**body, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}))
+    assert err["param"] == "response_format", err
+    assert "at $.properties." in err["message"] and "format.elements" not in err["message"]
