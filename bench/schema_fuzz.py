@@ -292,8 +292,7 @@ def run_engine(seeds, max_tokens: int) -> dict:
             value = json.loads(c.text)
         except ValueError:
             tally["not JSON, " + c.finish_reason] += 1
-            if c.finish_reason == "stop":
-                print(f"not JSON, seed {seed}: {c.text[:200]!r}", flush=True)
+            print(f"not JSON, seed {seed} ({c.finish_reason}): {c.text[:200]!r}", flush=True)
             continue
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         errors = list(cls(schema, format_checker=checker).iter_errors(value))
