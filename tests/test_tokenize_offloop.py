@@ -65,7 +65,9 @@ def test_small_request_not_blocked_by_big_tokenization(tokenizer):
     assert inline["big"] > 0.8, f"the big message tokenizes too fast to tell: {inline}"
     assert inline["small_delay"] > 0.3, inline                  # the control is blocked ...
     assert off["small"] < off["big"], off                       # ... off the loop it is not
-    assert off["small_delay"] < 0.25 * off["big"], off
+    # and it waited much less than the control's: a bound relative to the same box's
+    # control run (0.25 x the big request's own time failed at 0.26 beside Ray tests)
+    assert off["small_delay"] < 0.5 * inline["small_delay"], (off, inline)
 
 
 def test_pool_threads_use_their_own_tokenizer(tokenizer):
