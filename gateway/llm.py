@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 from formwork.core.step_hooks import StepHooks
 from formwork.gateway.errors import APIError
 from formwork.gateway.limits import truncated_prompt
+from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_processor import OutputProcessor, RequestOutput
 from formwork.schemas.config import EngineConfig
 from formwork.schemas.errors import ParamError
@@ -125,7 +126,7 @@ class LLM:
         generation_config.json, "vllm": none, or a folder's; the override on top)."""
         self.config = EngineConfig(**vllm_engine_kwargs({"model": model, **engine_kwargs}))
         from formwork.gateway.serve_options import generation_defaults, generation_eos_ids
-        from formwork.gpu.model_files import resolve_model
+        from formwork.gpu.model_files import DEFAULT_MODEL, resolve_model
         folder = str(resolve_model(self.config.model, weights=False))
         # checked now: a folder without the file or a bad override key fails the start
         self._default_sampling = generation_defaults(generation_config, folder,
@@ -149,8 +150,6 @@ class LLM:
             self.engine = EngineCore(self.config, hooks=step_hooks)
         self.tokenizer = self.engine.tokenizer
         self._processor = OutputProcessor(self.tokenizer)
-        from formwork.gateway.metrics import Metrics
-        from formwork.gpu.model_files import DEFAULT_MODEL
         self._metrics = Metrics(self.config.model or DEFAULT_MODEL)     # get_metrics()
         # the generation config's end ids beside the tokenizer's stop every request (as vLLM)
         self._extra_stop = generation_eos_ids(folder, self.tokenizer.eos_token_id)
@@ -298,7 +297,6 @@ class LLM:
             bar = tqdm(total=len(order), desc="Processed prompts", unit="req", dynamic_ncols=True)
         n_out = 0
         t0 = time.perf_counter()
-        from formwork.gateway.metrics import RequestTimer
         timers = {rid: RequestTimer() for rid in order}
         try:
             while len(finished) < len(order):
