@@ -212,6 +212,8 @@ def test_documents_that_are_not_text_or_are_empty_are_recorded_not_sent(tmp_path
     (d / "blank.txt").write_text(" \n\t\n")
     (d / "bad16.txt").write_bytes(codecs.BOM_UTF16_LE + b"\x00\xd8")   # a lone surrogate
     (d / "latin.txt").write_bytes("Rechnung von Müller".encode("latin-1"))
+    (d / "gone.txt").symlink_to(tmp_path / "moved-away.txt")          # a link to nothing
+    (d / "here.txt").symlink_to(d / "latin.txt")
     jl = tmp_path / "in.jsonl"
     jl.write_text('{"text": ""}\n{"text": "ok"}\n')
     docs = {x.id: x for x in collect_documents([str(d), str(jl)])}
@@ -219,6 +221,8 @@ def test_documents_that_are_not_text_or_are_empty_are_recorded_not_sent(tmp_path
     assert docs["blank.txt"].text is None and docs["blank.txt"].error.startswith("empty document")
     assert docs["bad16.txt"].text is None and "UTF-16" in docs["bad16.txt"].error
     assert docs["latin.txt"].text == "Rechnung von Müller" and docs["latin.txt"].error is None
+    assert docs["here.txt"].text == "Rechnung von Müller"
+    assert docs["gone.txt"].text is None and "cannot read" in docs["gone.txt"].error
     assert docs[f"{jl}:1"].error.startswith("empty document") and docs[f"{jl}:2"].text == "ok"
     stdin = io.TextIOWrapper(io.BytesIO("Grüße".encode("cp1252")), encoding="ascii")
     assert collect_documents(["-"], stdin=stdin)[0].text == "Grüße"   # bytes, not the locale's codec

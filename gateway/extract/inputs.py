@@ -208,7 +208,9 @@ def collect_documents(inputs: list[str], *, globs=DEFAULT_GLOBS, text_field: str
         if arg == "-":
             docs.append(_stdin(stdin or sys.stdin))
         elif path.is_dir():
-            found = sorted({p for g in globs for p in path.rglob(g) if p.is_file()})
+            # a link to nothing is a document that cannot be read (recorded), not no document
+            found = sorted({p for g in globs for p in path.rglob(g)
+                            if p.is_file() or p.is_symlink() and not p.exists()})
             docs += [_read(p, p.relative_to(path).as_posix()) for p in found]
         elif path.is_file() and path.suffix == ".jsonl":
             docs += _jsonl(arg, text_field, id_field)
