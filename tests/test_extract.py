@@ -126,6 +126,19 @@ def test_bad_schema_is_a_usage_error_before_any_model(tmp_path, monkeypatch, cap
     assert not out.exists()
 
 
+def test_max_tokens_past_a_given_context_is_a_usage_error_before_any_model(tmp_path, monkeypatch,
+                                                                          capsys, schema_file):
+    """--max-model-len on the command line: --max-tokens that leaves no room for a
+    prompt is refused before the model loads (it was found only after loading)."""
+    monkeypatch.setattr(formwork.gateway.llm, "LLM", NoModel)
+    write_tree(tmp_path / "docs", DOCS)
+    rc = extract_cli.run(parse("--schema", str(schema_file), str(tmp_path / "docs"),
+                               "--max-model-len", "512"))           # --max-tokens: 512
+    assert rc == 2
+    assert "--max-tokens 512 leaves no room for a prompt: max_model_len is 512" in \
+        capsys.readouterr().err
+
+
 def test_bad_pydantic_reference_is_a_usage_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(formwork.gateway.llm, "LLM", NoModel)
     (tmp_path / "m.py").write_text(MODEL_FILE)

@@ -116,14 +116,23 @@ def _prepare(args: argparse.Namespace) -> tuple[ExtractOptions, list[Document]]:
                           on_long=args.on_long)
     try:
         opts.sampling_params()
+        limit = None if args.server else engine_config(args).max_model_len
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if limit is not None:       # a context given on the command line: checked before loading
+        _check_room(opts.max_tokens, limit)
     docs = collect_documents(args.inputs, globs=tuple(args.glob or DEFAULT_GLOBS),
                              text_field=args.text_field, id_field=args.id_field)
     if args.resume:
         done = done_ids(args.output)
         docs = [d for d in docs if d.id not in done]
     return opts, docs
+
+
+def _check_room(max_tokens: int, max_model_len: int) -> None:
+    if max_tokens >= max_model_len:
+        raise UsageError(f"--max-tokens {max_tokens} leaves no room for a prompt: "
+                         f"max_model_len is {max_model_len}")
 
 
 def _load_llm(args: argparse.Namespace, quiet: bool):
@@ -161,9 +170,7 @@ def run(args: argparse.Namespace, *, llm=None) -> int:
                 progress=not args.quiet))
         else:
             llm = llm if llm is not None else _load_llm(args, args.quiet)
-            if opts.max_tokens >= llm.engine.max_model_len:
-                raise UsageError(f"--max-tokens {opts.max_tokens} leaves no room for a prompt: "
-                                 f"max_model_len is {llm.engine.max_model_len}")
+            _check_room(opts.max_tokens, llm.engine.max_model_len)
             t0 = time.perf_counter()
             extract_offline(llm, docs, opts, emit, progress=not args.quiet)
     except UsageError as e:
