@@ -7,7 +7,7 @@ regex / choice / grammar constraints, streamed and not. Whatever the mix: never 
 5xx, an OpenAI-shaped error for a 400, a stream that ends with [DONE] and no error
 event, a finish reason OpenAI knows, "tool_calls" only with complete calls, a
 constrained output that finished "stop" (not by a stop string) validating against
-its schema, usage that adds up. Two bugs were found this way (min_tokens against a
+its schema, streamed ones too, usage that adds up. Two bugs were found this way (min_tokens against a
 grammar's end; a cut call finished as "tool_calls")."""
 from __future__ import annotations
 
@@ -145,6 +145,28 @@ def check_choice(chat: bool, b: dict, ch: dict) -> None:
         jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
 
 
+def check_streamed(chat: bool, b: dict, events: list[dict], finishes: list[dict],
+                   where: str) -> None:
+    """A streamed constrained choice that finished "stop" on its own (no stop string
+    named on its finish chunk) validates once its pieces are put together."""
+    schema = schema_of(b)
+    if schema is None or (not chat and b.get("echo")):
+        return
+    texts: dict[int, str] = {}
+    for e in events:
+        for c in e.get("choices", []):
+            piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
+            texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+    for c in finishes:
+        if c["finish_reason"] == "stop" and c.get("stop_reason") is None:
+            text = texts.get(c["index"], "")
+            try:
+                jsonschema.validate(json.loads(text), schema,
+                                    format_checker=jsonschema.FormatChecker())
+            except (ValueError, jsonschema.ValidationError) as e:
+                raise AssertionError(f"{where}\nstreamed {text!r}") from e
+
+
 def test_random_requests_get_sound_answers(server):
     rng = random.Random(20261206)
     statuses = []
@@ -164,6 +186,7 @@ def test_random_requests_get_sound_answers(server):
             assert finishes, where
             for c in finishes:
                 assert c["finish_reason"] in ("stop", "length", "tool_calls"), where
+            check_streamed(chat, b, out[:-1], finishes, where)
             continue
         for ch in out["choices"]:
             try:
