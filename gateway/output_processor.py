@@ -123,12 +123,16 @@ class _Detok:
             return None
         start = max(0, len(self.text) - self.holdback)
         self.text += piece
-        for s in self.stops:
-            i = self.text.find(s, start)
-            if i >= 0:
-                self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
-                return s
-        return None
+        # the earliest stop string in the text, not the first of the list found anywhere:
+        # with stop ["a", "e"] a token " Armenia" was cut to " Armeni" (vLLM cuts so
+        # too), a text that holds a stop string; at one position, the list's first wins
+        hits = [(i, k) for k, s in enumerate(self.stops) if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        i, k = min(hits)
+        s = self.stops[k]
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        return s
 
     def take_delta(self, finished: bool) -> str:
         end = len(self.text) if finished or not self.stops else max(self.emitted, len(self.text) - self.holdback)

@@ -382,6 +382,22 @@ def test_the_token_that_ends_an_output_is_not_written_into_its_text(tokenizer, c
     assert c.text == '{"a": 1}'
 
 
+def test_the_earliest_stop_string_cuts(tokenizer):
+    """OpenAI: the text holds no stop sequence. With stop ["a", "e"] a token " Armenia"
+    was cut at its "a" (the list's first found) to " Armeni", which holds an "e";
+    the earliest match cuts, and at one position the list's first is named."""
+    ids = tokenizer.encode(" Armenia and more", add_special_tokens=False)
+    c = _processed(tokenizer, SamplingParams(max_tokens=64, stop=["a", "e"]), ids)
+    assert (c.text, c.stop_reason) == (" Arm", "e")
+    c = _processed(tokenizer, SamplingParams(max_tokens=64, stop=["a", "e"],
+                                             include_stop_str_in_output=True), ids)
+    assert (c.text, c.stop_reason) == (" Arme", "e")
+    ids = tokenizer.encode("xaby", add_special_tokens=False)
+    for stops, named in ((["ab", "a"], "ab"), (["a", "ab"], "a")):
+        c = _processed(tokenizer, SamplingParams(max_tokens=64, stop=stops), ids)
+        assert (c.text, c.stop_reason) == ("x", named)
+
+
 def test_stop_strings_wait_for_min_tokens(tokenizer):
     """As vLLM (its PR 22014): a stop string counts only in text that comes after the
     first min_tokens tokens; before, it was cut at once (an output of 1 token under
