@@ -253,8 +253,8 @@ class ClosingSearch:
                 if tid is None:              # no closer: the first allowed single byte
                     singles = self._candidates(self._mask_of(node, matcher)[1], [])
                     tid = singles[0] if singles else None
-                if tid in self._digits:      # a number's last digit may be what ends it
-                    tid = self._ending_digit(matcher, closers) or tid
+                if tid in self._digits and (d := self._ending_digit(matcher, closers)) is not None:
+                    tid = d                  # a number's last digit may be what ends it
                 repeats = repeats + 1 if tid is not None and tid in recent else 0
                 if repeats == REPEATS:       # once per run
                     tid = self._other_kind(node, matcher, tid, {tid, *recent})
