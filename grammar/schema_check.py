@@ -169,7 +169,7 @@ def _no_multiple_in_range(node: dict) -> str:
     types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
     if not types or not types <= {"number", "integer"}:
         return ""
-    exact = Fraction(repr(step)) if isinstance(step, float) else Fraction(step)
+    exact = Fraction(repr(step))       # the decimal written (an int's repr is itself)
     if "number" not in types:          # k * p/q is an integer only where q divides k
         exact = Fraction(exact.numerator)
     lows, highs = [], []               # least and greatest k admitted by each bound
@@ -180,7 +180,7 @@ def _no_multiple_in_range(node: dict) -> str:
         for b, strict in bounds:
             if isinstance(b, float) and not math.isfinite(b):
                 continue
-            q = (Fraction(repr(b)) if isinstance(b, float) else Fraction(b)) / exact
+            q = Fraction(repr(b)) / exact
             k = rounding(q)
             if strict and k == q:
                 k += 1 if rounding is math.ceil else -1
