@@ -33,6 +33,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from formwork.gateway.json_lines import dumps_line
+
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
@@ -105,7 +107,7 @@ class _OrderedWriter:
     def put(self, index: int, line: dict) -> None:
         self.done[index] = line
         while self.next in self.done:
-            self.out.write(json.dumps(self.done.pop(self.next), ensure_ascii=False) + "\n")
+            self.out.write(dumps_line(self.done.pop(self.next)) + "\n")
             self.next += 1
         self.out.flush()
 
@@ -145,8 +147,10 @@ async def run_lines(app, lines: list[str], out: TextIO, concurrency: int) -> dic
 
 
 def _read_lines(path: str) -> list[str]:
+    # Text mode has made every line end "\n"; str.splitlines() would also break a
+    # line at U+2028 / U+0085 / U+2029, which JSON allows raw inside a string.
     text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
-    return [line for line in text.splitlines() if line.strip()]
+    return [line for line in text.split("\n") if line.strip()]
 
 
 def run(args: argparse.Namespace, config, requests) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -14,6 +13,7 @@ from formwork.gateway.constraint_check import ConstraintChecker
 from formwork.gateway.dp_client import DPEngineClient
 from formwork.gateway.engine_client import EngineClient, EngineRequestError
 from formwork.gateway.errors import APIError
+from formwork.gateway.json_lines import dumps_line
 from formwork.gateway.metrics import Metrics, RequestTimer
 from formwork.gateway.output_processor import RequestOutput
 from formwork.gateway.reasoning import END
@@ -103,8 +103,7 @@ def blame(err: APIError, source: str | None) -> APIError:
 
 
 def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(
-        payload, ensure_ascii=False, separators=(",", ":"))
+    data = payload if isinstance(payload, str) else dumps_line(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
 
 

@@ -13,13 +13,13 @@ Streaming sends OpenAI's typed events (`event: <type>` + data with `type` and
 from __future__ import annotations
 
 import contextlib
-import json
 from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from formwork.gateway.errors import APIError
+from formwork.gateway.json_lines import dumps_line
 from formwork.gateway.metrics import RequestTimer
 from formwork.gateway.output_processor import RequestOutput
 from formwork.gateway.reasoning import ReasoningSplitter
@@ -185,7 +185,7 @@ class EventWriter:
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {dumps_line(data)}\n\n"
 
     def _added(self, item: OutputItem) -> list[str]:
         self.items.append(item)

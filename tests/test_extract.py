@@ -313,6 +313,19 @@ def test_judge_refuses_numbers_a_json_line_cannot_carry():
     assert ok["valid"] is True and ok["data"] == {"n": 1e308}
 
 
+def test_records_stay_one_line_for_splitlines_readers(tmp_path):
+    """A record whose data holds U+2028, U+0085 or U+2029 (JSON leaves them raw)
+    was broken in two by readers that split lines with str.splitlines()."""
+    from formwork.gateway.extract.records import RecordSink
+    data = {"quote": "line\u2028next\x85end\u2029", "name": "Zoë"}
+    sink = RecordSink(str(tmp_path / "out.jsonl"))
+    sink.write({"id": "a", "data": data})
+    sink.write({"id": "b", "data": None})
+    sink.close()
+    records = read_records(tmp_path / "out.jsonl")
+    assert [r["id"] for r in records] == ["a", "b"] and records[0]["data"] == data
+
+
 # -- the real model ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm():

@@ -1097,6 +1097,50 @@ def test_schema_true_is_any_json_and_keeps_the_engine(server):
         "status": "ready", "engine_restarts": before}
 
 
+LINE_BREAKERS = "a\u2028b\x85c\u2029d"   # not JSON's whitespace; str.splitlines() breaks at each
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_stream_events_stay_one_line_for_splitlines_readers(server, path):
+    """An output holding U+2028, U+0085 or U+2029 (a model writes them; here a choice
+    constraint does) was sent raw inside the event's JSON, and httpx's `iter_lines()`
+    (so httpx-sse), which splits at them, cut the event in two: a client's
+    json.loads failed mid-stream (found with a tool whose enum held "\u2028"). Each
+    data line now parses alone and the text comes back whole."""
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0,
+            "stream": True, "structured_outputs": {"choice": [LINE_BREAKERS]}}
+    if path == "/v1/responses":
+        body |= {"input": "Say it.", "max_output_tokens": body.pop("max_tokens")}
+    elif path == "/v1/chat/completions":
+        body["messages"] = ASK
+    else:
+        body["prompt"] = "Say it:"
+    events = []
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))      # raised JSONDecodeError before
+            else:
+                assert line == "" or line.startswith(("event: ", "data: [DONE]")), line
+    if path == "/v1/responses":
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    elif path == "/v1/chat/completions":
+        text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    else:
+        text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == LINE_BREAKERS
+
+
+def test_json_lines_escape_what_splitlines_breaks_at():
+    from formwork.gateway.json_lines import dumps_line
+    value = {"k\u2028": [LINE_BREAKERS, "é\x1c\n"], "n": 1}
+    line = dumps_line(value, separators=(",", ":"))
+    assert line.splitlines() == [line] and json.loads(line) == value
+    assert "é" in line                   # other non-ASCII text stays as it is
+
+
 def test_an_int64_floor_range_no_longer_kills_the_server(server):
     """llguidance crashed (SIGSEGV) building an integer range of the lowest few
     hundred int64 values, in the gateway's synchronous schema check: the request

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import jsonschema
 
 from formwork.gateway.extract.inputs import Document, json_path
+from formwork.gateway.json_lines import dumps_line
 
 
 def make_record(doc: Document, *, data=None, valid: bool = False, finish_reason=None,
@@ -169,7 +170,7 @@ class RecordSink:
     def write(self, rec: dict) -> None:
         if self._f is None:
             self._f = self._open()
-        self._f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self._f.write(dumps_line(rec) + "\n")
         self._f.flush()
 
     def close(self) -> None:
