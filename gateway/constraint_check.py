@@ -48,6 +48,13 @@ def constraint_verdict(params: StructuredOutputsParams, default_backend: str) ->
         validate_params(params, default_backend)
     except ValueError as e:
         return str(e)
+    except Exception as e:      # noqa: BLE001 - a check that failed in itself
+        # Its exception may not pickle back to the server (jsonschema's ref errors
+        # hold closures: the request got a 500 about pickling); the constraint
+        # cannot be shown servable, so it is refused with what went wrong.
+        log.exception("checking a constraint failed: %.200s", params.cache_key())
+        return (f"this constraint could not be checked ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}); it is refused")
     return None
 
 

@@ -54,12 +54,15 @@ back as `{"type": "custom", "custom": {"name", "input"}}` (gateway/tool_parser.p
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import jsonschema
+
 from formwork.gateway.errors import bad_request
 from formwork.gateway.schema_embed import defs_prefix, embed_schema
+from formwork.grammar.schema_merge import ANNOTATIONS
+from formwork.grammar.schema_walk import LEGACY_DRAFTS, iter_nodes, validator_class
 from formwork.schemas.openai import (AllowedToolsChoice, ChatCompletionRequest, CustomGrammar,
                                      CustomTool, FunctionDefinition, NamedCustomToolChoice,
                                      NamedToolChoice)
@@ -153,8 +156,11 @@ class ToolMode:
     def tagged(self) -> bool:
         """Whether the calls are written in the call format's tags (parsed as in free
         text): under "auto", and under "required" where a callable tool's input is
-        raw (one or more tagged calls and nothing else, in place of one JSON document)."""
-        return self.kind == "auto" or (self.kind == "required" and bool(self.raw_callable))
+        raw, or where one JSON Schema document cannot hold every tool's parameters
+        with their meaning (one_document: different drafts) -- one or more tagged calls
+        and nothing else, each call's arguments then a document of their own."""
+        return self.kind == "auto" or (self.kind == "required" and (
+            bool(self.raw_callable) or (self.format.raw_calls and not one_document(self.tools))))
 
     @property
     def in_prompt(self) -> bool:
@@ -238,29 +244,85 @@ def parameters_schema(fn: FunctionDefinition) -> dict:
     return params
 
 
-def _call_schema(name: str, arguments: dict) -> dict:
+def _call_schema(name: str, arguments: dict, draft4: bool) -> dict:
+    # draft 4 (a wrapper may be written in it) has no `const`: `enum` there
     return {"type": "object",
-            "properties": {"name": {"const": name}, "arguments": arguments},
+            "properties": {"name": {"enum": [name]} if draft4 else {"const": name},
+                           "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _dialect(fn: FunctionDefinition) -> type:
+    params = parameters_schema(fn)
+    return validator_class(params if isinstance(params, dict) else {})
+
+
+# What an older draft's schema may not hold to be read the same as 2020-12 (the
+# wrapper's default): tuple `items`, `additionalItems`, `dependencies` and the 2019-09
+# recursion keywords changed or went; a draft-7-or-older `$ref` ignores its siblings;
+# drafts 3-4 lack `const`, `contains`, `propertyNames`, `if`, and had boolean bounds
+# and `id`. zod-to-json-schema's and MCP servers' draft-07 schemas mostly hold none.
+_CHANGED = ("additionalItems", "dependencies", "$recursiveRef", "$recursiveAnchor")
+_CHANGED_BEFORE = {
+    jsonschema.Draft4Validator: ("const", "contains", "propertyNames", "if", "then", "else",
+                                 "exclusiveMinimum", "exclusiveMaximum", "id"),
+    jsonschema.Draft6Validator: ("if", "then", "else"),
+}
+
+
+def _reads_as_default(fn: FunctionDefinition) -> bool:
+    """Whether fn's parameters mean the same under the default draft (2020-12)."""
+    draft = _dialect(fn)
+    if draft is jsonschema.Draft202012Validator:
+        return True
+    if draft is jsonschema.Draft3Validator:
+        return False
+    changed = _CHANGED + _CHANGED_BEFORE.get(draft, ())
+    for node in iter_nodes(parameters_schema(fn)):
+        n = node.schema
+        if any(k in n for k in changed) or isinstance(n.get("items"), list) or \
+                ("$ref" in n and draft in LEGACY_DRAFTS and set(n) - ANNOTATIONS - {"$ref"}):
+            return False
+    return True
+
+
+def one_document(tools) -> bool:
+    """Whether one JSON Schema document can hold every tool's parameters with their
+    meaning: all in one draft (not draft 3, whose `required` the wrapper cannot
+    write), or each read the same under the default draft."""
+    drafts = {_dialect(fn) for fn in tools}
+    return (len(drafts) <= 1 and jsonschema.Draft3Validator not in drafts) or \
+        all(_reads_as_default(fn) for fn in tools)
 
 
 def _required_schema(mode: ToolMode) -> dict:
     """One {"name", "arguments"} call of any tool (an array of them if parallel), each
-    tool's definitions hoisted to the root so that its `$ref`s resolve there; a
-    `$schema` all tools agree on becomes the wrapper's (draft-07 `$ref` rules stay)."""
-    base = "/items/anyOf" if mode.parallel else "/anyOf"
+    tool's definitions hoisted to the root so that its `$ref`s resolve there. A draft
+    all tools declare becomes the wrapper's `$schema` (a draft-04 tool's keywords keep
+    their draft-04 meaning: under a 2020-12 wrapper `const` became a keyword, and
+    `oneOf: [{type: string}, {const: 0}]`, which no string passes, let strings out);
+    tools in different drafts share the default one only where each reads the same
+    there (one_document; else the calls are tagged, or refused in a tag-less format)."""
+    if not one_document(mode.tools):
+        i, fn = next((i, fn) for i, fn in enumerate(mode.tools) if not _reads_as_default(fn))
+        raise bad_request(
+            f"tools[{i}].function.parameters: tool_choice 'required' writes one JSON document "
+            f"of calls in the {mode.format.name} format, and this tool's parameters, in "
+            f"{_dialect(fn).__name__.removesuffix('Validator')}, would mean something else "
+            "beside the other tools' (other drafts); declare one `$schema` for all of them",
+            param=f"tools[{i}].function.parameters")
+    drafts = {_dialect(fn) for fn in mode.tools}
     params = [parameters_schema(fn) for fn in mode.tools]
-    dialects = {json.dumps(p.get("$schema")) for p in params if isinstance(p, dict)}
-    dialect = json.loads(dialects.pop()) if len(dialects) == 1 else None
-    if not isinstance(dialect, str) or re.search(r"draft-0[34]/", dialect):
-        dialect = None             # no `const` before draft-06: left where it was
-    if dialect is not None:
-        params = [{k: v for k, v in p.items() if k != "$schema"} for p in params]
+    dialect = next((p["$schema"] for p in params if isinstance(p, dict)
+                    and isinstance(p.get("$schema"), str)), None) if len(drafts) == 1 else None
+    params = [{k: v for k, v in p.items() if k != "$schema"} if isinstance(p, dict) else p
+              for p in params]
+    base = "/items/anyOf" if mode.parallel else "/anyOf"
     branches, hoisted = [], {}
     for i, (fn, p) in enumerate(zip(mode.tools, params)):
         args = embed_schema(p, f"{base}/{i}/properties/arguments", defs_prefix(fn.name, i),
                             hoisted)
-        branches.append(_call_schema(fn.name, args))
+        branches.append(_call_schema(fn.name, args, drafts == {jsonschema.Draft4Validator}))
     one = {"anyOf": branches}
     schema = {"type": "array", "items": one, "minItems": 1} if mode.parallel else one
     if dialect is not None:

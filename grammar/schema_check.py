@@ -20,6 +20,7 @@ from typing import Any
 
 import jsonschema
 import jsonschema_rs
+import referencing.exceptions
 
 from formwork.grammar.regex_classes import portable_classes
 from formwork.grammar.schema_rewrites import (
@@ -244,8 +245,15 @@ def find_issues(schema: Any, backend: str) -> list[SchemaIssue]:
             issues += [SchemaIssue(kw, node.path, d) for kw, d in ref_issues(node.schema, schema)]
             continue
         for rule in rules:
-            issues += [SchemaIssue(kw, node.path, detail)
-                       for kw, detail in rule(node, schema, validator)]
+            try:
+                issues += [SchemaIssue(kw, node.path, detail)
+                           for kw, detail in rule(node, schema, validator)]
+            except referencing.exceptions.Unresolvable as err:
+                # A rule that validates values (enum against its siblings, oneOf
+                # branches) met a `$ref` that points nowhere: that ref is the issue
+                # (it raised out of the check, a 500 on the server, before).
+                issues.append(SchemaIssue("$ref", node.path, "cannot resolve a $ref met here "
+                                          f"({getattr(err, 'ref', '?')!r}): nothing there"))
     if backend == "outlines":
         issues += [SchemaIssue(kw, path, detail) for kw, path, detail in recursive_ref_issues(schema)]
     return issues

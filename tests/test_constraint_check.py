@@ -25,6 +25,41 @@ def crash_on_marker(params: P, backend: str) -> str | None:
     return constraint_verdict(params, backend)
 
 
+class Odd(Exception):
+    """An exception that does not pickle (it holds a closure), as jsonschema's ref errors."""
+
+
+def odd_on_marker(params: P, backend: str) -> str | None:
+    """In the worker: the real check, except that for a schema titled "odd" the
+    backends' check raises an exception that is no ValueError and does not pickle."""
+    import formwork.grammar.selection as selection
+    title = params.json.get("title") if isinstance(params.json, dict) else None
+    real = selection.validate_params
+    if title == "odd":
+        def odd(*_):
+            raise Odd(lambda: None)
+        selection.validate_params = odd
+    try:
+        return constraint_verdict(params, backend)
+    finally:
+        selection.validate_params = real
+
+
+def test_a_check_that_fails_in_itself_is_a_refusal_not_a_server_error():
+    """A check raising something other than ValueError sent that exception back to the
+    server, where one holding a closure failed to unpickle: a 500 about pickling."""
+    checker = ConstraintChecker(odd_on_marker, workers=1)
+
+    async def run():
+        verdict = await checker.check(P(json={"title": "odd", "type": "integer"}), "auto")
+        assert verdict.startswith("this constraint could not be checked (Odd") and "refused" in verdict
+        assert await checker.check(P(json={"type": "integer"}), "auto") is None
+    try:
+        asyncio.run(run())
+    finally:
+        checker.shutdown()
+
+
 def test_a_crashing_constraint_is_refused_and_the_others_are_checked():
     checker = ConstraintChecker(crash_on_marker, workers=2)
 

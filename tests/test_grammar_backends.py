@@ -357,6 +357,18 @@ def test_a_remote_ref_is_named_on_every_backend(backend, ref):
         assert choose_backend(P(json=anchored, backend=backend)) == "llguidance"
 
 
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar", "outlines", "auto"])
+def test_a_ref_to_nothing_beside_values_is_named_on_every_backend(backend):
+    """A `$ref` pointing nowhere beside a `const` (a schema whose `$defs` sit below
+    the node that refers to them: tool parameters wrapping such a schema): the
+    enum-against-siblings rule validated the const through the ref and jsonschema's
+    PointerToNowhere escaped the check (a 500 on the server, about pickling it)."""
+    schema = {"type": "object", "properties": {"x": {"const": "a", "$ref": "#/$defs/d"}},
+              "required": ["x"]}
+    with pytest.raises(ValueError, match=re.escape("'$ref' at $.properties.x (cannot resolve")):
+        choose_backend(P(json=schema, backend=backend))
+
+
 @pytest.mark.parametrize("schema, keyword, path", [
     ({"type": "object", "patternProperties": {"^a": {"type": "string"}, "b$": {"type": "integer"}}},
      "patternProperties", "$"),
