@@ -242,6 +242,21 @@ def test_outlines_rejects_what_it_cannot_enforce(backends):
             backends["outlines"].check(params)
 
 
+@pytest.mark.parametrize("regex", [r"\S(\s^)+[^a-c]+", r"(?: ^+)(b{2,}\W+|9b*?){3}?", r"a$b"])
+def test_a_regex_no_text_matches_is_refused_before_the_engine(regex, backends, tokenizer):
+    """An anchor that can never hold empties the regex's language: outlines-core's
+    check (a one-token probe vocabulary) let it through, and its compile against the
+    real vocabulary failed in the engine ("vocabulary incompatible"), for a stream
+    after its 200. No backend serves it now, so auto refuses it up front too."""
+    with pytest.raises(ValueError, match="no text matches this regex"):
+        choose_backend(P(regex=regex, backend="outlines"))
+    with pytest.raises(ValueError):
+        choose_backend(P(regex=regex))
+    wide = P(regex=r"[a-z]{1,500}", backend="outlines")       # 1 token: "incompatible"
+    assert choose_backend(wide) == "outlines"
+    backends["outlines"].compile(wide)
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 @pytest.mark.parametrize("shape", ["legacy", "vllm", "xgrammar-format"])
 def test_structural_tag_tool_calls(backend, shape, backends, tokenizer, vocab):
