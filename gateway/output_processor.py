@@ -100,6 +100,8 @@ class _Detok:
     def __init__(self, tokenizer, params: SamplingParams):
         self._tok = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self._skip_special = params.skip_special_tokens
+        self.ids: list[int] = []  # tokens added (for the flush at the end)
         # Stop strings apply under a structured-output constraint too, as vLLM's: the
         # client asked for the cut. `stop_reason` names the string, so a cut output is
         # told apart from one the grammar ended (stop_reason None).
@@ -115,7 +117,23 @@ class _Detok:
     def add(self, token_id: int) -> str | None:
         """Appends one token's text; returns the stop string hit, if any."""
         self.count += 1
-        piece = self._stream.step(self._tok, token_id)
+        self.ids.append(token_id)
+        return self._append(self._stream.step(self._tok, token_id))
+
+    def flush(self) -> str | None:
+        """At the end of the output: the text the stream still holds back. DecodeStream
+        waits while the text ends in U+FFFD (a character whose bytes may be unfinished),
+        so an output ending in a real U+FFFD (a `choice` of "ok\ufffd") lost it, and
+        one cut mid-character lost its last token's text (a space with it). The whole
+        output decoded says what is left; returns the stop string hit, if any."""
+        if not self.ids:
+            return None
+        whole = self._tok.decode(self.ids, skip_special_tokens=self._skip_special)
+        if len(whole) <= len(self.text) or not whole.startswith(self.text):
+            return None
+        return self._append(whole[len(self.text):])
+
+    def _append(self, piece: str | None) -> str | None:
         if not piece:
             return None
         if self.count <= self.min_tokens:
@@ -230,6 +248,8 @@ class OutputProcessor:
             stop_hit = child.detok.add(tid)
             if stop_hit is not None:
                 break
+        if stop_hit is None and eo.finish_reason is not None:
+            stop_hit = child.detok.flush()
         if stop_hit is not None:
             out.finish_reason, out.stop_reason = FinishReason.STOP.value, stop_hit
         elif eo.finish_reason is not None:

@@ -428,3 +428,18 @@ def test_get_metrics_counts_what_generate_did(llm):
     stats = llm.get_stats()
     assert after[("vllm:num_preemptions", None)] == stats.num_preemptions
     assert after[("vllm:prefix_cache_queries", None)] == stats.prefix_cache_queries
+
+
+@pytest.mark.parametrize("choices", [["ok\ufffd"], ["\ufffd"], ["x\ufffdy", "b\ufffd"]])
+def test_an_output_ending_in_a_replacement_character_keeps_it(llm, choices):
+    """The detokenizer holds back text that ends in U+FFFD (its bytes may be an
+    unfinished character) until the next token tells; at the end of the output
+    nothing told, and a `choice` of "ok\ufffd" came back "ok": not one of the choices.
+    The end flushes what is held back (the whole output decoded)."""
+    from formwork import StructuredOutputsParams
+    for t in (0.0, 1.0):
+        sp = SamplingParams(max_tokens=12, temperature=t, seed=3,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+        out = llm.generate("Pick one:", sp, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.text in choices, out.text
+        assert out.text == llm.get_tokenizer().decode(out.token_ids[:-1])

@@ -1133,6 +1133,25 @@ def test_stream_events_stay_one_line_for_splitlines_readers(server, path):
     assert text == LINE_BREAKERS
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_ending_in_a_replacement_character_comes_back_whole(server, stream):
+    """The detokenizer held back a trailing U+FFFD (it may be an unfinished character)
+    and the end never flushed it: "ok\ufffd" came back "ok", and streamed too."""
+    body = {"model": "SmolLM2-135M-Instruct", "messages": ASK, "max_tokens": 8,
+            "temperature": 0, "stream": stream, "structured_outputs": {"choice": ["ok\ufffd"]}}
+    if not stream:
+        r = _post(server, body)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok\ufffd"
+        return
+    text = ""
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+    assert text == "ok\ufffd"
+
+
 def test_json_lines_escape_what_splitlines_breaks_at():
     from formwork.gateway.json_lines import dumps_line
     value = {"k\u2028": [LINE_BREAKERS, "é\x1c\n"], "n": 1}
