@@ -102,6 +102,7 @@ class _Detok:
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self._skip_special = params.skip_special_tokens
         self.ids: list[int] = []  # tokens added (for the flush at the end)
+        self._held = False        # the last step gave no text: the stream may hold some
         # Stop strings apply under a structured-output constraint too, as vLLM's: the
         # client asked for the cut. `stop_reason` names the string, so a cut output is
         # told apart from one the grammar ended (stop_reason None).
@@ -118,15 +119,18 @@ class _Detok:
         """Appends one token's text; returns the stop string hit, if any."""
         self.count += 1
         self.ids.append(token_id)
-        return self._append(self._stream.step(self._tok, token_id))
+        piece = self._stream.step(self._tok, token_id)
+        self._held = not piece
+        return self._append(piece)
 
     def flush(self) -> str | None:
         """At the end of the output: the text the stream still holds back. DecodeStream
         waits while the text ends in U+FFFD (a character whose bytes may be unfinished),
         so an output ending in a real U+FFFD (a `choice` of "ok\ufffd") lost it, and
         one cut mid-character lost its last token's text (a space with it). The whole
-        output decoded says what is left; returns the stop string hit, if any."""
-        if not self.ids:
+        output decoded says what is left (decoded only where the last step gave no
+        text: a step that does gives all it held); returns the stop string hit, if any."""
+        if not self._held:
             return None
         whole = self._tok.decode(self.ids, skip_special_tokens=self._skip_special)
         if len(whole) <= len(self.text) or not whole.startswith(self.text):
