@@ -252,8 +252,8 @@ def _call_schema(name: str, arguments: dict, draft4: bool) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def _dialect(fn: FunctionDefinition) -> type:
-    params = parameters_schema(fn)
+def _draft(params) -> type:
+    """The jsonschema validator class of a parameters schema's declared draft."""
     return validator_class(params if isinstance(params, dict) else {})
 
 
@@ -270,15 +270,15 @@ _CHANGED_BEFORE = {
 }
 
 
-def _reads_as_default(fn: FunctionDefinition) -> bool:
-    """Whether fn's parameters mean the same under the default draft (2020-12)."""
-    draft = _dialect(fn)
+def _reads_as_default(params) -> bool:
+    """Whether a parameters schema means the same under the default draft (2020-12)."""
+    draft = _draft(params)
     if draft is jsonschema.Draft202012Validator:
         return True
     if draft is jsonschema.Draft3Validator:
         return False
     changed = _CHANGED + _CHANGED_BEFORE.get(draft, ())
-    for node in iter_nodes(parameters_schema(fn)):
+    for node in iter_nodes(params):
         n = node.schema
         if any(k in n for k in changed) or isinstance(n.get("items"), list) or \
                 ("$ref" in n and draft in LEGACY_DRAFTS and set(n) - ANNOTATIONS - {"$ref"}):
@@ -290,9 +290,10 @@ def one_document(tools) -> bool:
     """Whether one JSON Schema document can hold every tool's parameters with their
     meaning: all in one draft (not draft 3, whose `required` the wrapper cannot
     write), or each read the same under the default draft."""
-    drafts = {_dialect(fn) for fn in tools}
+    params = [parameters_schema(fn) for fn in tools]
+    drafts = {_draft(p) for p in params}
     return (len(drafts) <= 1 and jsonschema.Draft3Validator not in drafts) or \
-        all(_reads_as_default(fn) for fn in tools)
+        all(_reads_as_default(p) for p in params)
 
 
 def _required_schema(mode: ToolMode) -> dict:
@@ -303,16 +304,16 @@ def _required_schema(mode: ToolMode) -> dict:
     `oneOf: [{type: string}, {const: 0}]`, which no string passes, let strings out);
     tools in different drafts share the default one only where each reads the same
     there (one_document; else the calls are tagged, or refused in a tag-less format)."""
+    params = [parameters_schema(fn) for fn in mode.tools]
     if not one_document(mode.tools):
-        i, fn = next((i, fn) for i, fn in enumerate(mode.tools) if not _reads_as_default(fn))
+        i, p = next((i, p) for i, p in enumerate(params) if not _reads_as_default(p))
         raise bad_request(
             f"tools[{i}].function.parameters: tool_choice 'required' writes one JSON document "
             f"of calls in the {mode.format.name} format, and this tool's parameters, in "
-            f"{_dialect(fn).__name__.removesuffix('Validator')}, would mean something else "
+            f"{_draft(p).__name__.removesuffix('Validator')}, would mean something else "
             "beside the other tools' (other drafts); declare one `$schema` for all of them",
             param=f"tools[{i}].function.parameters")
-    drafts = {_dialect(fn) for fn in mode.tools}
-    params = [parameters_schema(fn) for fn in mode.tools]
+    drafts = {_draft(p) for p in params}
     dialect = next((p["$schema"] for p in params if isinstance(p, dict)
                     and isinstance(p.get("$schema"), str)), None) if len(drafts) == 1 else None
     params = [{k: v for k, v in p.items() if k != "$schema"} if isinstance(p, dict) else p
