@@ -22,8 +22,8 @@ from typing import Any
 
 import jsonschema
 import llguidance as llg
-from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from formwork.grammar.gbnf_lark import gbnf_to_lark
 from formwork.grammar.regex_classes import portable_classes
 from formwork.grammar.regex_safety import escape_literal
 from formwork.grammar.schema_check import (

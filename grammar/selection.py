@@ -21,12 +21,16 @@ that accepts. Orders (measured, see README "Structured outputs"):
 - choice: llguidance, xgrammar, outlines (an alternation of literals: exact and
   unambiguous on each; llguidance compiles a long list faster -- 1,000 choices
   20 vs 79 ms, 100,000 3 vs 32 s, past the default 30 s compile timeout).
-- grammar: xgrammar (its EBNF is the documented dialect), then llguidance (Lark).
+- grammar: xgrammar (its EBNF is the documented dialect), then llguidance (Lark,
+  and GBNF converted). A GBNF grammar that repeats a part that can match the
+  empty string (`(w | s)*` with `s ::= [ ]*`) goes to llguidance first: xgrammar's
+  parser splits the text in ever more ways there (a mask 32 ms every token, or
+  212, 327, 944 ms and the fill limit), llguidance's took 0-3 ms (gbnf_lark.py).
 - structural_tag: xgrammar (its own format language), then llguidance (triggered
   tags with JSON schemas; serves the tool schemas xgrammar refuses, e.g. patterns).
 
-When none accepts, the first backend's reason is raised (for regexes
-xgrammar's, which names the fault and its position), e.g. "unsupported JSON
+When none accepts, the first backend's reason is raised (for regexes and GBNF
+xgrammar's, which names the fault and its position; for Lark llguidance's), e.g. "unsupported JSON
 Schema keyword 'uniqueItems' at $.properties.tags". Explicit backends are checked
 the same way and never substituted.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from formwork.grammar.gbnf_lark import repeats_what_can_be_empty
 from formwork.grammar.xgrammar_productive import NoFiniteOutput, recursive_refs
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -115,6 +120,24 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
 REFUSAL_FROM: dict[str, str] = {"regex": "xgrammar"}
 
 
+def _auto_order(params: StructuredOutputsParams) -> tuple[str, ...]:
+    """AUTO_ORDER, but a GBNF grammar that repeats what can be empty goes to
+    llguidance first: xgrammar's parser slows on it (gbnf_lark.py)."""
+    kind = params.kind()
+    if kind == "grammar" and "::=" in params.spec() and repeats_what_can_be_empty(params.spec()):
+        return ("llguidance", "xgrammar")
+    return AUTO_ORDER[kind]
+
+
+def _refusal_from(params: StructuredOutputsParams, order: tuple[str, ...]) -> str:
+    """Whose reason a refused constraint gets. A grammar without `::=` is Lark, which
+    only llguidance reads: xgrammar's "EBNF lexer error ... ':'" would say nothing;
+    GBNF is xgrammar's dialect, whichever backend was tried first."""
+    if params.kind() == "grammar":
+        return "xgrammar" if "::=" in params.spec() else "llguidance"
+    return REFUSAL_FROM.get(params.kind(), order[0])
+
+
 def choose_backend(params: StructuredOutputsParams, default_backend: str = "auto") -> str:
     """Validate `params` and return the name of the backend that serves it;
     ValueError (UnsupportedSchemaError for JSON Schema keywords) if none can.
@@ -140,13 +163,13 @@ def _choose(params: StructuredOutputsParams, default_backend: str, *,
             llguidance_first: bool) -> str:
     """The requested backend if it accepts; for "auto" the first in AUTO_ORDER that
     accepts (tried llguidance first when asked: the verdict is the same), else the
-    error of AUTO_ORDER's first backend (REFUSAL_FROM's where it names one)."""
+    error of AUTO_ORDER's first backend (`_refusal_from`'s where it names one)."""
     name = _requested(params, default_backend)
     _finite(params)                         # true for every backend
     if name != "auto":
         CHECKS[name](params)
         return name
-    order = AUTO_ORDER[params.kind()]
+    order = _auto_order(params)
     tries = sorted(order, key=lambda c: c != "llguidance") if llguidance_first else order
     errors: dict[str, ValueError] = {}
     for candidate in tries:                 # sorted is stable: the rest keep their order
@@ -157,7 +180,7 @@ def _choose(params: StructuredOutputsParams, default_backend: str, *,
             if isinstance(err, NoFiniteOutput):
                 raise                       # true for every backend (xgrammar's own read)
             errors[candidate] = err
-    raise errors[REFUSAL_FROM.get(params.kind(), order[0])]
+    raise errors[_refusal_from(params, order)]
 
 
 def _requested(params: StructuredOutputsParams, default_backend: str) -> str:

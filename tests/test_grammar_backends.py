@@ -355,6 +355,17 @@ def test_choose_backend_refuses_naming_the_problem_and_compiles_nothing():
     assert choose_backend(P(json=PERSON)) == "llguidance"
 
 
+def test_a_lark_grammar_none_reads_gets_llguidances_reason():
+    """Lark (no `::=`) is llguidance's dialect alone: a refused one is told where
+    llguidance stopped, not xgrammar's "EBNF lexer error ... ':'"."""
+    from formwork.grammar.selection import validate_params
+    for check in (choose_backend, validate_params):
+        with pytest.raises(ValueError, match=r"^llguidance cannot compile this grammar: 1\(14\)"):
+            check(P(grammar='start: "a" "\\U0001f600"'))
+    with pytest.raises(ValueError, match="xgrammar"):        # GBNF: xgrammar's reason
+        choose_backend(P(grammar="root ::= undefined_rule"))
+
+
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar", "outlines", "auto"])
 @pytest.mark.parametrize("ref", ["other.json#/definitions/x", "https://example.com/s.json"])
 def test_a_remote_ref_is_named_on_every_backend(backend, ref):
@@ -410,3 +421,63 @@ def test_a_schema_over_llguidances_size_budget_is_named_so_and_served_by_xgramma
     with pytest.raises(ValueError, match=r"^unsupported JSON Schema at \$ \(too large for llguidance"):
         choose_backend(P(json=big, backend="llguidance"))
     assert choose_backend(P(json=big)) == "xgrammar"
+
+
+# GBNF that llguidance's own converter (1.9.1) could not hand to llguidance: nested
+# repetitions printed `x++`, escapes with leading zeros printed `\ue9`, `\-` / `\^`
+# in a class refused. Each must read as xgrammar reads it.
+GBNF_AS_XGRAMMAR = [
+    ('root ::= (([a-f])+)+', ["abc", "f"], ["g", "ab1"]),
+    ('root ::= (("{)"){2}){1}', ["{){)"], ["{)", "{){){)"]),
+    ('root ::= (("ab")?)* "c"', ["c", "ababc"], ["abac"]),
+    ('root ::= "\\u00e9" [\\u00e0-\\u00ff]+', ["éà", "éÿÿ"], ["e", "éa"]),
+    ('root ::= "\\U0001F600" "\\u0400" "\\u0041"', ["😀ЀA"], ["😀Ѐ"]),
+    ('root ::= [^\\-\\^"]+', ["ab c"], ["a-b", "^", 'a"']),
+    ('root ::= "a\\\\u0041"', ["a\\u0041"], ["aA"]),
+]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("grammar,good,bad", GBNF_AS_XGRAMMAR)
+def test_gbnf_reads_the_same_on_llguidance_as_on_xgrammar(backend, grammar, good, bad, backends,
+                                                          tokenizer, vocab):
+    g = backends[backend].compile(P(grammar=grammar))
+    for text in good:
+        assert accepts(g.new_matcher(), tokenizer, vocab, text), (backend, text)
+    for text in bad:
+        assert not accepts(g.new_matcher(), tokenizer, vocab, text), (backend, text)
+
+
+# Repetitions of what can be empty (xgrammar's parser splits the text in ever more
+# ways: 32 ms a mask every token for the first, 0.2-1 s and its fill limit for the
+# second), with what each means as a Python regex.
+REPEATS_THE_EMPTY = [   # (grammar, its language, what its unfinished texts can be)
+    ('root ::= ([a-z]+ | " "*)*', r"[a-z ]*", r"[a-z ]*"),
+    ('root ::= (w | s)* "."\nw ::= [a-z]+\ns ::= [ ]*', r"[a-z ]*\.", r"[a-z ]*"),
+    ('root ::= ((([a-z]*)*)*) "!"', r"[a-z]*!", r"[a-z]*"),
+    ('root ::= x{2,5} "."\nx ::= "" | "ab"', r"(ab){0,5}\.", r"(ab){0,5}a?"),
+]
+
+
+@pytest.mark.parametrize("grammar,language,prefixes", REPEATS_THE_EMPTY)
+def test_a_grammar_repeating_what_can_be_empty_goes_to_llguidance_and_holds(
+        grammar, language, prefixes, backends, vocab):
+    from formwork.grammar.gbnf_lark import repeats_what_can_be_empty
+    assert repeats_what_can_be_empty(grammar)
+    assert choose_backend(P(grammar=grammar)) == "llguidance"
+    g = backends["llguidance"].compile(P(grammar=grammar))
+    for seed in range(4):
+        text, done = random_walk(g.new_matcher(), vocab, random.Random(seed), max_steps=40)
+        assert re.fullmatch(language if done else prefixes, text), (grammar, text, done)
+
+
+@pytest.mark.parametrize("grammar", [
+    'root ::= ("a" [b]?)* "c"',                     # the repeated part is never empty
+    'root ::= x? "c"\nx ::= "" | "a"',                # an empty part, not repeated
+    'root ::= object\nobject ::= "{" ws (pair ("," ws pair)*)? "}"\n'
+    'pair ::= [a-z]+ ":" ws [0-9]+\nws ::= "" | " " | "\\n" [ \\t]{0,20}',  # llama.cpp's shape
+])
+def test_other_gbnf_stays_on_xgrammar(grammar):
+    from formwork.grammar.gbnf_lark import repeats_what_can_be_empty
+    assert not repeats_what_can_be_empty(grammar)
+    assert choose_backend(P(grammar=grammar)) == "xgrammar"
