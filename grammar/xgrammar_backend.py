@@ -217,8 +217,9 @@ class XGrammarMatcher(Matcher):
                 f"{BUDGET_BASE_S:g} s + {BUDGET_PER_TOKEN_S * 1000:g} ms a token)")
         self.error = (f"xgrammar took {took}: the constraint is too ambiguous for it, e.g. "
                       "nested repetitions that can match the same text such as (([a-z]*)*)*; "
-                      "backend 'llguidance' (the `auto` choice for regexes) serves them "
-                      "without a mask growing with the text")
+                      "backend 'llguidance' (`auto`'s choice for regexes, and for grammars "
+                      "that repeat what can be empty) serves them without a mask growing "
+                      "with the text")
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         if self.error:
