@@ -135,6 +135,36 @@ async def run_until_disconnect(coro: Awaitable[T], request: Request) -> T:
     return task.result()
 
 
+async def primed(outputs: AsyncIterator[T], request: Request) -> AsyncIterator[T]:
+    """`outputs` with its first item already awaited, before a stream's response
+    starts: an error the engine gives before any output (a grammar that failed to
+    compile or timed out, a constraint only the real vocabulary refuses, no engine)
+    is then the request's HTTP status (APIError raised here, and `outputs` closed),
+    not a 200 and an error event. The headers go out with the first token, which
+    costs a client nothing it could see: no event could come before it. A client
+    that leaves meanwhile aborts the request (APIError 499)."""
+    async def first() -> tuple[bool, T | None]:
+        try:
+            return True, await anext(outputs)
+        except StopAsyncIteration:
+            return False, None
+    try:
+        got, item = await run_until_disconnect(first(), request)
+    except BaseException:
+        await outputs.aclose()
+        raise
+
+    async def rest() -> AsyncIterator[T]:
+        try:
+            if got:
+                yield item
+                async for x in outputs:
+                    yield x
+        finally:
+            await outputs.aclose()
+    return rest()
+
+
 async def stream_outputs(state: ServerState, request_id: str, prompt: str | None,
                          prompt_ids: list[int], params: SamplingParams,
                          timer: RequestTimer) -> AsyncIterator[RequestOutput]:

@@ -24,7 +24,7 @@ from formwork.gateway.params import (chat_logprobs, chat_max_tokens, check_max_l
                                      structured_from_request, check_constraint,
                                      with_server_whitespace)
 from formwork.gateway.reasoning import END, ReasoningSplitter, split_reasoning, thinks_first
-from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
+from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final, primed,
                              run_until_disconnect, sse, sse_error, stream_outputs)
 from formwork.gateway.completion_logprobs import prompt_logprobs_field
 from formwork.gateway.tool_parser import ToolStreamParser, finish_reason_with_tools, parse_tool_output
@@ -287,7 +287,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             or state.options.force_include_usage
         continuous = include_usage and bool(req.stream_options
                                             and req.stream_options.continuous_usage_stats)
-        return StreamingResponse(_chat_stream(state, prep, request_id, timer, include_usage,
+        try:
+            outs = await primed(stream_outputs(state, request_id, prep.prompt, prep.prompt_ids,
+                                               prep.params, timer), raw)
+        except APIError as e:
+            raise blame(e, prep.source) from None
+        return StreamingResponse(_chat_stream(state, prep, request_id, outs, include_usage,
                                               continuous),
                                  media_type="text/event-stream")
     try:
@@ -355,9 +360,10 @@ def _chunk(request_id: str, created: int, model: str, choice: ChatStreamChoice |
 
 
 async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
-                       timer: RequestTimer, include_usage: bool,
+                       outputs: AsyncIterator[RequestOutput], include_usage: bool,
                        continuous: bool = False) -> AsyncIterator[str]:
-    """`continuous`: vLLM's continuous_usage_stats, each chunk with its choice's usage."""
+    """The events of `outputs` (`primed`: the first already there). `continuous`:
+    vLLM's continuous_usage_stats, each chunk with its choice's usage."""
     created, model = int(time.time()), prep.model
     prompt_len = len(prep.prompt_ids)
 
@@ -376,8 +382,7 @@ async def _chat_stream(state: ServerState, prep: PreparedChat, request_id: str,
     last: RequestOutput | None = None
     sent_final = [False] * prep.params.n
     try:
-        async with contextlib.aclosing(stream_outputs(
-                state, request_id, prep.prompt, prep.prompt_ids, prep.params, timer)) as outs:
+        async with contextlib.aclosing(outputs) as outs:
             async for ro in outs:
                 last = ro
                 for c in ro.outputs:

@@ -29,7 +29,7 @@ from formwork.gateway.params import (check_max_logprobs, context_max_tokens,
                                      explicit_prompt_logprobs, log_request, sampling_params,
                                      structured_from_request, check_constraint,
                                      with_server_whitespace)
-from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
+from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final, primed,
                              run_until_disconnect, sse, sse_error, stream_outputs)
 from formwork.schemas.openai import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from formwork.schemas.openai_base import random_id
@@ -192,8 +192,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             or state.options.force_include_usage
         continuous = include_usage and bool(req.stream_options
                                             and req.stream_options.continuous_usage_stats)
-        return StreamingResponse(_stream(state, prep, request_id, req.echo, include_usage,
-                                         continuous),
+        try:
+            merged = await primed(_merged(state, prep, request_id), raw)
+        except APIError as e:
+            raise blame(e, prep.source) from None
+        return StreamingResponse(_stream(state, prep, merged, request_id, req.echo,
+                                         include_usage, continuous),
                                  media_type="text/event-stream")
     runs = [generate_final(state, f"{request_id}-{i}", p, ids, prep.params[i], RequestTimer())
             for i, (p, ids) in enumerate(prep.prompts)]
@@ -308,10 +312,12 @@ class _ChoiceDeltas:
         return choice
 
 
-async def _stream(state: ServerState, prep: PreparedCompletion, request_id: str, echo: bool,
+async def _stream(state: ServerState, prep: PreparedCompletion,
+                  outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str, echo: bool,
                   include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
-    """`continuous`: vLLM's continuous_usage_stats, each chunk with its choice's usage
-    (its prompt's tokens and its own so far)."""
+    """The events of `outputs` (`primed`: the first already there). `continuous`:
+    vLLM's continuous_usage_stats, each chunk with its choice's usage (its prompt's
+    tokens and its own so far)."""
     created, deltas = int(time.time()), _ChoiceDeltas(state, prep, echo)
     finals: dict[int, RequestOutput] = {}
 
@@ -323,7 +329,7 @@ async def _stream(state: ServerState, prep: PreparedCompletion, request_id: str,
         return sse(data)
 
     try:
-        async with contextlib.aclosing(_merged(state, prep, request_id)) as merged:
+        async with contextlib.aclosing(outputs) as merged:
             async for i, ro in merged:
                 for c in ro.outputs:
                     if (choice := deltas.choice(i, ro, c)) is not None:

@@ -26,7 +26,7 @@ from formwork.gateway.reasoning import ReasoningSplitter
 from formwork.gateway.responses_input import (chat_request, check_supported, input_messages,
                                               responses_error, truncation_starts)
 from formwork.gateway.responses_store import ResponseStore, StoredResponse
-from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final,
+from formwork.gateway.serving import (ServerState, TokenText, blame, generate_final, primed,
                                       run_until_disconnect, stream_outputs)
 from formwork.gateway.serving_chat import (PreparedChat, chat_logprobs_obj, prepare_chat,
                                            reasoning_tokens, split_thinking)
@@ -124,7 +124,12 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
     prep = await _prepare(state, req, conversation)
     base, timer = _base(req, prep.model), RequestTimer()
     if req.stream:
-        events = _stream(state, store, req, prep, conversation, base, timer)
+        try:
+            outs = await primed(stream_outputs(state, base.id, prep.prompt, prep.prompt_ids,
+                                               prep.params, timer), raw)
+        except APIError as e:
+            raise responses_error(blame(e, prep.source)) from None
+        events = _stream(state, store, req, prep, conversation, base, outs)
         return StreamingResponse(events, media_type="text/event-stream")
     try:
         final = await run_until_disconnect(generate_final(
@@ -291,7 +296,8 @@ class EventWriter:
 
 async def _stream(state: ServerState, store: ResponseStore, req: ResponsesRequest,
                   prep: PreparedChat, conversation: list[dict], base: ResponseObject,
-                  timer: RequestTimer) -> AsyncIterator[str]:
+                  outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    """The events of `outputs` (`primed`: the first already there)."""
     w = EventWriter()
     shown = base.model_dump(mode="json")
     yield w.event("response.created", response=shown)
@@ -300,8 +306,7 @@ async def _stream(state: ServerState, store: ResponseStore, req: ResponsesReques
     thinker = ReasoningSplitter(prep.reasoning, prep.prompt) if prep.reasoning else None
     pending: list = []          # token logprobs not yet sent with a text delta
     try:
-        async with contextlib.aclosing(stream_outputs(
-                state, base.id, prep.prompt, prep.prompt_ids, prep.params, timer)) as outs:
+        async with contextlib.aclosing(outputs) as outs:
             async for ro in outs:
                 last, c = ro, ro.outputs[0]
                 body, thinking = c.delta_text, None

@@ -276,7 +276,7 @@ class CharTokenizer:
 async def _collect(engine: FakeEngine, store: ResponseStore,
                    reasoning: str | None = None, include_reasoning: bool = True) -> list[dict]:
     from formwork.gateway.metrics import Metrics, RequestTimer
-    from formwork.gateway.serving import ServerState
+    from formwork.gateway.serving import ServerState, stream_outputs
     from formwork.gateway.serving_chat import PreparedChat
     from formwork.gateway.serving_responses import _base, _stream
     from formwork.gateway.tools import ToolMode
@@ -288,8 +288,11 @@ async def _collect(engine: FakeEngine, store: ResponseStore,
     prep = PreparedChat("m", "p", [1, 2, 3], SamplingParams(max_tokens=3), ToolMode("none", ()),
                         None, reasoning=reasoning, include_reasoning=include_reasoning)
     conversation = input_messages(req.input)
-    return _events([e async for e in _stream(state, store, req, prep, conversation,
-                                              _base(req, "m"), RequestTimer())])
+    base = _base(req, "m")
+    outputs = stream_outputs(state, base.id, prep.prompt, prep.prompt_ids, prep.params,
+                             RequestTimer())
+    return _events([e async for e in _stream(state, store, req, prep, conversation, base,
+                                              outputs)])
 
 
 def test_stream_cut_by_max_output_tokens_ends_incomplete():
