@@ -36,6 +36,11 @@ from llguidance import gbnf_to_lark as _upstream
 _ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|([\s\S]))")
 
 
+def is_gbnf(text: str) -> bool:
+    """Whether a grammar is GBNF (xgrammar's dialect); the others are taken as Lark."""
+    return "::=" in text
+
+
 def _plain_escapes(text: str) -> str:
     def one(m: re.Match) -> str:
         hex_digits = m.group(1) or m.group(2)

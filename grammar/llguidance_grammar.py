@@ -23,7 +23,7 @@ from typing import Any
 import jsonschema
 import llguidance as llg
 
-from formwork.grammar.gbnf_lark import gbnf_to_lark
+from formwork.grammar.gbnf_lark import gbnf_to_lark, is_gbnf
 from formwork.grammar.regex_classes import portable_classes
 from formwork.grammar.regex_safety import escape_literal
 from formwork.grammar.schema_check import (
@@ -595,7 +595,7 @@ def _checked_grammar(params: StructuredOutputsParams) -> str:
     elif kind == "grammar":
         # xgrammar's EBNF is GBNF; anything without `::=` is taken as Lark.
         try:
-            lark = gbnf_to_lark(spec) if "::=" in spec else spec
+            lark = gbnf_to_lark(spec) if is_gbnf(spec) else spec
         except Exception as err:   # the converter raises bare Exceptions/AssertionErrors
             raise ValueError(f"llguidance cannot convert this grammar to Lark: {err}") from None
         grammar = llg.LLMatcher.grammar_from_lark(lark)

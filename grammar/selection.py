@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from formwork.grammar.gbnf_lark import repeats_what_can_be_empty
+from formwork.grammar.gbnf_lark import is_gbnf, repeats_what_can_be_empty
 from formwork.grammar.xgrammar_productive import NoFiniteOutput, recursive_refs
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -124,17 +124,17 @@ def _auto_order(params: StructuredOutputsParams) -> tuple[str, ...]:
     """AUTO_ORDER, but a GBNF grammar that repeats what can be empty goes to
     llguidance first: xgrammar's parser slows on it (gbnf_lark.py)."""
     kind = params.kind()
-    if kind == "grammar" and "::=" in params.spec() and repeats_what_can_be_empty(params.spec()):
+    if kind == "grammar" and is_gbnf(params.spec()) and repeats_what_can_be_empty(params.spec()):
         return ("llguidance", "xgrammar")
     return AUTO_ORDER[kind]
 
 
 def _refusal_from(params: StructuredOutputsParams, order: tuple[str, ...]) -> str:
-    """Whose reason a refused constraint gets. A grammar without `::=` is Lark, which
+    """Whose reason a refused constraint gets. A grammar that is not GBNF is Lark, which
     only llguidance reads: xgrammar's "EBNF lexer error ... ':'" would say nothing;
     GBNF is xgrammar's dialect, whichever backend was tried first."""
     if params.kind() == "grammar":
-        return "xgrammar" if "::=" in params.spec() else "llguidance"
+        return "xgrammar" if is_gbnf(params.spec()) else "llguidance"
     return REFUSAL_FROM.get(params.kind(), order[0])
 
 
