@@ -39,7 +39,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from formwork.grammar.gbnf_lark import is_gbnf, repeats_what_can_be_empty
 from formwork.grammar.xgrammar_productive import NoFiniteOutput, recursive_refs
 from formwork.schemas.structured import StructuredOutputsParams
 
@@ -124,8 +123,10 @@ def _auto_order(params: StructuredOutputsParams) -> tuple[str, ...]:
     """AUTO_ORDER, but a GBNF grammar that repeats what can be empty goes to
     llguidance first: xgrammar's parser slows on it (gbnf_lark.py)."""
     kind = params.kind()
-    if kind == "grammar" and is_gbnf(params.spec()) and repeats_what_can_be_empty(params.spec()):
-        return ("llguidance", "xgrammar")
+    if kind == "grammar":
+        from formwork.grammar.gbnf_lark import is_gbnf, repeats_what_can_be_empty  # lazily
+        if is_gbnf(params.spec()) and repeats_what_can_be_empty(params.spec()):
+            return ("llguidance", "xgrammar")
     return AUTO_ORDER[kind]
 
 
@@ -134,6 +135,7 @@ def _refusal_from(params: StructuredOutputsParams, order: tuple[str, ...]) -> st
     only llguidance reads: xgrammar's "EBNF lexer error ... ':'" would say nothing;
     GBNF is xgrammar's dialect, whichever backend was tried first."""
     if params.kind() == "grammar":
+        from formwork.grammar.gbnf_lark import is_gbnf  # lazily: it imports llguidance
         return "xgrammar" if is_gbnf(params.spec()) else "llguidance"
     return REFUSAL_FROM.get(params.kind(), order[0])
 
