@@ -281,11 +281,16 @@ class _ChoiceDeltas:
         self.text = TokenText(state.tokenizer, prep.token_ids_as_names)
         self.echoed: set[int] = set()
         self.started: set[int] = set()      # choices whose first chunk was sent
+        self.finished: set[int] = set()     # choices whose finish chunk was sent
         self.offsets: dict[int, int] = {}
 
     def choice(self, i: int, ro: RequestOutput, c) -> dict | None:
-        """The choice for output `c` of prompt `i`, or None when there is nothing to send."""
+        """The choice for output `c` of prompt `i`, or None when there is nothing to send
+        (a choice that has finished is in each later output of its prompt, as the
+        output processor snapshots all of a request's choices)."""
         prep, idx = self.prep, i * self.prep.n + c.index
+        if idx in self.finished:
+            return None
         delta, head, start = c.delta_text, None, self.offsets.get(idx, 0)
         if self.echo and idx not in self.echoed:
             self.echoed.add(idx)
@@ -306,6 +311,8 @@ class _ChoiceDeltas:
                 choice["prompt_token_ids"] = list(prep.prompts[i][1])
             choice["token_ids"] = list(c.delta_token_ids)
         self.started.add(idx)
+        if c.finish_reason is not None:
+            self.finished.add(idx)
         if c.finish_reason is not None and \
                 (check := _verdict_field(prep, i, c, self.state.metrics)) is not None:
             choice["formwork"] = check.model_dump(mode="json")

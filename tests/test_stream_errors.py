@@ -2,7 +2,8 @@
 compile past a 1 ms `--grammar-compile-timeout`) is answered with that error's HTTP
 status and OpenAI-shaped body, as the same request unstreamed is, not with a 200 and
 an error event: the response starts with the first output. Chat, completions
-(several prompts) and Responses; the openai SDK raises BadRequestError at `create`."""
+(several prompts) and Responses; the openai SDK raises BadRequestError at `create`.
+And a streamed completions choice sends its finish chunk once."""
 from __future__ import annotations
 
 import itertools
@@ -126,3 +127,44 @@ def test_a_stream_left_before_its_first_output_is_aborted(tiny_model_dir):
         assert m["formwork_num_requests_running"] == 0 and m["formwork_kv_cache_held_blocks"] == 0
     finally:
         s.stop()
+
+
+def test_a_completions_choice_finishes_once_when_its_siblings_go_on():
+    """n=2: the output processor snapshots all of a request's choices each step, so a
+    choice that finished is in every later output; its finish chunk goes out once (it
+    went out again, with empty text, whenever the choices finished in different steps)."""
+    import asyncio
+
+    from formwork.gateway.metrics import Metrics
+    from formwork.gateway.output_processor import CompletionOutput, RequestOutput
+    from formwork.gateway.serving import ServerState
+    from formwork.gateway.serving_completion import PreparedCompletion, _stream
+    from formwork.schemas.sampling import SamplingParams
+
+    def out(index, text, new, reason=None):
+        return CompletionOutput(index=index, text=text, token_ids=list(range(len(text))),
+                                finish_reason=reason, delta_text=new,
+                                delta_token_ids=[0] * len(new))
+
+    steps = [[out(0, "a", "a"), out(1, "b", "b")],
+             [out(0, "ab", "b", "length"), out(1, "bc", "c")],
+             [out(0, "ab", "", "length"), out(1, "bcd", "d")],
+             [out(0, "ab", "", "length"), out(1, "bcde", "e", "stop")]]
+
+    async def outputs():
+        for k, outs in enumerate(steps):
+            yield 0, RequestOutput("r", "p", [1], outs, finished=k == len(steps) - 1)
+
+    async def run():
+        state = ServerState(engine=None, tokenizer=None, served_model_names=("m",),
+                            max_model_len=64, metrics=Metrics("m"))
+        prep = PreparedCompletion("m", [("p", [1])], [SamplingParams(n=2, max_tokens=4)], None,
+                                  n=2)
+        return [e async for e in _stream(state, prep, outputs(), "cmpl-1", False, False)]
+
+    events = [json.loads(e[6:]) for e in asyncio.run(run()) if e != "data: [DONE]\n\n"]
+    choices = [c for e in events for c in e["choices"]]
+    assert [(c["index"], c["finish_reason"]) for c in choices if c["finish_reason"]] == \
+        [(0, "length"), (1, "stop")]
+    assert "".join(c["text"] for c in choices if c["index"] == 0) == "ab"
+    assert "".join(c["text"] for c in choices if c["index"] == 1) == "bcde"
