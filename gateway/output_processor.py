@@ -143,12 +143,16 @@ class _Detok:
         if self.count <= self.min_tokens:
             self.text += piece
             return None
-        start = max(0, len(self.text) - self.holdback)
+        before = len(self.text)
         self.text += piece
         # the earliest stop string in the text, not the first of the list found anywhere:
         # with stop ["a", "e"] a token " Armenia" was cut to " Armeni" (vLLM cuts so
-        # too), a text that holds a stop string; at one position, the list's first wins
-        hits = [(i, k) for k, s in enumerate(self.stops) if (i := self.text.find(s, start)) >= 0]
+        # too), a text that holds a stop string; at one position, the list's first wins.
+        # Only a string that ends in the new piece counts (as vLLM's window): one that
+        # ended in the text of the first min_tokens tokens was passed over there, and
+        # finding it now cut the output back inside those tokens
+        hits = [(i, k) for k, s in enumerate(self.stops)
+                if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
         if not hits:
             return None
         i, k = min(hits)

@@ -409,6 +409,15 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
     prefix = tokenizer.decode(ids[:5])
     assert late.stop_reason == "e" and late.text.startswith(prefix) and len(late.token_ids) > 5
     assert "e" not in late.text[len(prefix):] and "e" in prefix
+    # a longer stop string beside it widens the text held back for a match across
+    # tokens; a short one that ended inside those first tokens was then found by the
+    # next token and the output cut back into them (" is L" under min_tokens 2)
+    for n in (2, 5):
+        sp = SamplingParams(max_tokens=64, stop=["e", "zzzzzzzz"], min_tokens=n)
+        for chunks in (1, 3):
+            c = _processed(tokenizer, sp, ids, chunks=chunks)
+            prefix = tokenizer.decode(ids[:n])
+            assert c.text.startswith(prefix) and c.stop_reason == "e", (n, chunks, c.text)
 
 
 # ---- 4. smalls ------------------------------------------------------------------------
