@@ -7,7 +7,10 @@ finish_reason, stop_reason, usage and logprobs must match; seeded sampled reques
 (temperature, top_k, top_p, min_p beside the same fields) must draw every token
 from the support those semantics leave. The server runs with a small KV cache and
 token budget so that requests are preempted, prompts prefilled in chunks and
-prefixes shared while this runs. Found this way: a stop string that ended inside
+prefixes shared while this runs. Constrained greedy requests (regex, choice, JSON
+schema; xgrammar and llguidance) with the same fields must give the tokens of the
+reference masked by the backend's own matcher: deferred masks and the ban/penalty
+order hold end to end. Found this way: a stop string that ended inside
 the first min_tokens tokens cut the output back into them once a longer stop
 string widened the text held back."""
 from __future__ import annotations
@@ -27,13 +30,14 @@ pytestmark = pytest.mark.slow
 EOS = 2
 GREEDY_CASES = 70
 SAMPLED_CASES = 24
+CONSTRAINED_CASES = 40
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     s = Server("--model", str(tiny_model_dir), "--dtype", "float32", "--max-model-len", "300",
                "--max-num-seqs", "8", "--max-num-batched-tokens", "48", "--num-kv-blocks", "24",
-               "--served-model-name", "m", api_key=None)
+               "--served-model-name", "m", "--no-jump-forward", api_key=None)
     yield s
     s.stop()
 
@@ -348,3 +352,106 @@ def test_sampled_tokens_lie_in_the_support_and_repeat_with_the_seed(server, ref)
                             and k != len(toks) - 1), (where, "went on past a stop token")
             assert len(toks) == p["max_tokens"] or toks[-1] in ref.stops(p), where
     assert differ <= 2
+
+
+REGEXES = [r"[a-z]{3,8}( [a-z]+){0,3}\.", r"\d{1,4}-\d{2}", r"(yes|no|maybe)",
+           r"[A-Z][a-z]*, [A-Z][a-z]{1,5}", r"(ab|cd)+e", r"[0-9a-f]{2,6}"]
+CHOICES = ["alpha", "beta gamma", "alphabet", "12"]
+JSON_SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}},
+     "required": ["a", "b"], "additionalProperties": False},
+    {"type": "array", "items": {"enum": ["x", "y", "zz"]}, "minItems": 1, "maxItems": 4}]
+
+
+class Masked:
+    """A backend's own matcher for one constraint: fill(logits) masks in place,
+    accept(token) advances, done() once the constraint has ended."""
+
+    def __init__(self, ref: Reference, backend: str, kind: str, spec):
+        import re
+        if kind == "choice":
+            kind, spec = "regex", "(" + "|".join(re.escape(c) for c in spec) + ")"
+        self.backend = backend
+        if backend == "xgrammar":
+            import xgrammar as xgr
+            info = xgr.TokenizerInfo.from_huggingface(ref.tok, vocab_size=49152, stop_token_ids=[EOS])
+            compiler = xgr.GrammarCompiler(info)
+            grammar = (compiler.compile_regex(spec) if kind == "regex" else compiler.compile_json_schema(
+                json.dumps(spec), any_whitespace=False, strict_mode=True, separators=(",", ":")))
+            self.m = xgr.GrammarMatcher(grammar)
+            self.mask = xgr.allocate_token_bitmask(1, 49152)
+        else:
+            import llguidance
+            import llguidance.hf
+            # formwork reads \d and \w as ASCII (llguidance's own are Unicode)
+            spec = spec.replace(r"\d", "[0-9]").replace(r"\w", "[0-9A-Za-z_]")
+            lltok = llguidance.hf.from_tokenizer(ref.tok, n_vocab=49152)
+            self.m = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_regex(spec))
+            import llguidance.torch as lt
+            self.mask = lt.allocate_token_bitmask(1, 49152)
+
+    def fill(self, x: torch.Tensor) -> None:
+        import xgrammar as xgr
+        if self.backend == "xgrammar":
+            self.m.fill_next_token_bitmask(self.mask)
+        else:
+            import llguidance.torch as lt
+            lt.fill_next_token_bitmask(self.m, self.mask, 0)
+        xgr.apply_token_bitmask_inplace(x.unsqueeze(0), self.mask)
+
+    def accept(self, t: int) -> None:
+        assert (self.m.accept_token(t) if self.backend == "xgrammar" else self.m.consume_token(t)), t
+
+    def done(self) -> bool:
+        return self.m.is_terminated() if self.backend == "xgrammar" else self.m.is_stopped()
+
+
+def test_constrained_greedy_matches_the_masked_reference(server, ref):
+    rng = random.Random(1208)
+    cases = []
+    while len(cases) < CONSTRAINED_CASES:
+        prompt = random_prompt(rng, [])
+        p = random_fields(rng, ref, prompt)
+        for name in ("stop", "include_stop_str_in_output", "logprobs", "ignore_eos", "min_tokens",
+                     "allowed_token_ids", "stop_token_ids", "skip_special_tokens"):
+            p.pop(name, None)
+        p["max_tokens"] = rng.choice([8, 20, 40])
+        kind = rng.choice(["regex", "regex", "choice", "json"])
+        spec = rng.choice(REGEXES) if kind == "regex" else CHOICES if kind == "choice" else \
+            rng.choice(JSON_SCHEMAS)
+        backend = "llguidance" if kind != "json" and rng.random() < 0.5 else "xgrammar"
+        if rng.random() < 0.5:      # a bias toward text the constraints allow, so the fields matter
+            ids = ref.tok.encode(rng.choice(["abc", "yes", "Ab, Cd", "12-34", '{"a": 5', "alpha"]),
+                                 add_special_tokens=False)
+            p.setdefault("logit_bias", {}).update({str(t): rng.choice([2.0, 5.0, -5.0]) for t in ids})
+        m, toks, margins = Masked(ref, backend, kind, spec), [], []
+        for _ in range(p["max_tokens"]):
+            _, x = ref.processed(prompt, toks, p)
+            m.fill(x)
+            best = torch.topk(x, 2)
+            if best.values[0] == float("-inf"):
+                break   # bans and the constraint leave nothing: formwork's documented rule
+            toks.append(int(best.indices[0]))
+            margins.append(float(best.values[0] - best.values[1]))
+            m.accept(toks[-1])
+            if m.done():
+                break
+        else:
+            m = None
+        if toks and (m is None or m.done()):
+            so = {kind: spec, "backend": backend, "disable_any_whitespace": True, "budget_aware": False}
+            cases.append((prompt, p, so, toks, min(margins)))
+    url = f"{server.url}/v1/completions"
+    body = lambda c: {"model": "m", "prompt": c[0], "temperature": 0, "return_token_ids": True,
+                      "structured_outputs": c[2], **c[1]}
+    with ThreadPoolExecutor(8) as ex:
+        answers = list(ex.map(lambda c: post(url, body(c), False), cases))
+    near_ties = 0
+    for (prompt, p, so, toks, margin), got in zip(cases, answers):
+        for ch in got["choices"]:
+            # llguidance's matcher stops once nothing but the end can follow; formwork then
+            # writes the end token
+            if ch["token_ids"] not in (toks, toks + [EOS]):
+                assert margin < 1e-4, (so, p, toks, ch)
+                near_ties += 1
+    assert near_ties <= 2
