@@ -146,6 +146,12 @@ def test_bad_words_are_tokenized_alone_and_after_a_space(tokenizer):
            for t in ("Paris", " Paris", "hello world", " hello world")]
     assert p.bad_words_token_ids == [e for i, e in enumerate(enc) if e not in enc[:i]]
     assert len(p.bad_words_token_ids) == 4 and len(p.bad_words_token_ids[2]) == 2
+    # a word of two tokens alone and one after a space: both forms are banned (vLLM
+    # keeps the spaced one only when it has as many tokens, and lets " proves" through)
+    p = SamplingParams(bad_words=["proves"])
+    resolve_bad_words(p, tokenizer)
+    alone, spaced = (tokenizer.encode(t, add_special_tokens=False) for t in ("proves", " proves"))
+    assert len(alone) == 2 and len(spaced) == 1 and p.bad_words_token_ids == [alone, spaced]
     p.bad_words = None
     resolve_bad_words(p, tokenizer)
     assert p.bad_words_token_ids is None
