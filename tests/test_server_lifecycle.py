@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -182,6 +183,23 @@ class _Stream:
         self.client.close()
 
 
+class _Queued:
+    """A streamed chat request sent on a bare socket and never read: one that waits in
+    the queue (a stream's headers go out with its first output, so an HTTP client would
+    block here until it ran); close() leaves."""
+
+    def __init__(self, server: Server, body: dict) -> None:
+        data = json.dumps({**body, "stream": True}).encode()
+        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        self.sock.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: {AUTH['Authorization']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def _ipc_dirs(pid: int) -> list[str]:
     return glob.glob(os.path.join(tempfile.gettempdir(), f"{IPC_PREFIX}{pid}-*"))
 
@@ -201,7 +219,9 @@ def test_too_many_waiting_requests_get_429_and_every_place_comes_back(tiny_model
     try:
         endless = {**LONG, "n": 64}            # ~1 min: ends only when its client leaves
         for _ in range(2):                 # the second round finds every place free again
-            a, b = _Stream(server, endless), _Stream(server, endless)
+            a, b = _Stream(server, endless), _Queued(server, endless)
+            _until(lambda: _chat(server, {**LONG, "temperature": -1}).status_code == 429,
+                   what="the queued request never took its place")
             r = _chat(server, {**LONG, "max_tokens": 1})
             assert r.status_code == 429 and r.headers["Retry-After"].isdigit(), r.text
             err = r.json()["error"]
