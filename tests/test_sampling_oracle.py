@@ -15,6 +15,7 @@ the first min_tokens tokens cut the output back into them once a longer stop
 string widened the text held back."""
 from __future__ import annotations
 
+import functools
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,17 @@ class Reference:
         from transformers import AutoTokenizer, LlamaForCausalLM
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    @functools.cached_property
+    def xgrammar_compiler(self):
+        import xgrammar as xgr
+        info = xgr.TokenizerInfo.from_huggingface(self.tok, vocab_size=49152, stop_token_ids=[EOS])
+        return xgr.GrammarCompiler(info)
+
+    @functools.cached_property
+    def llguidance_tokenizer(self):
+        import llguidance.hf
+        return llguidance.hf.from_tokenizer(self.tok, n_vocab=49152)
 
     def raw(self, ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
@@ -258,6 +270,9 @@ def test_greedy_fields_match_the_reference(server, ref):
         prefix = ref.tok.decode(prompt, skip_special_tokens=False) if body.get("echo") else ""
         where = f"case {i} stream={stream} fields={json.dumps(p)}"
         assert len(got["choices"]) == p.get("n", 1), where
+        if "prompt_logprobs" in body:
+            with torch.inference_mode():
+                lsm = torch.log_softmax(ref.model(torch.tensor([prompt])).logits[0].float(), -1)
         for ch in got["choices"]:
             if (ch["text"], ch["finish_reason"]) != (prefix + want["text"], want["finish"]):
                 # only a near-tie in the reference may take another path
@@ -275,8 +290,6 @@ def test_greedy_fields_match_the_reference(server, ref):
                     tops = sorted(lp["top_logprobs"][off + k].values(), reverse=True)
                     assert len(tops) >= p["logprobs"] and all(abs(a - b) < 2e-3 for a, b in zip(tops, s[2][:p["logprobs"]])), (where, k)
             if "prompt_logprobs" in body:
-                with torch.inference_mode():
-                    lsm = torch.log_softmax(ref.model(torch.tensor([prompt])).logits[0].float(), -1)
                 plp = ch["prompt_logprobs"]
                 assert plp[0] is None and len(plp) == len(prompt), where
                 for k in range(1, len(prompt)):
@@ -374,19 +387,17 @@ class Masked:
         self.backend = backend
         if backend == "xgrammar":
             import xgrammar as xgr
-            info = xgr.TokenizerInfo.from_huggingface(ref.tok, vocab_size=49152, stop_token_ids=[EOS])
-            compiler = xgr.GrammarCompiler(info)
+            compiler = ref.xgrammar_compiler
             grammar = (compiler.compile_regex(spec) if kind == "regex" else compiler.compile_json_schema(
                 json.dumps(spec), any_whitespace=False, strict_mode=True, separators=(",", ":")))
             self.m = xgr.GrammarMatcher(grammar)
             self.mask = xgr.allocate_token_bitmask(1, 49152)
         else:
             import llguidance
-            import llguidance.hf
             # formwork reads \d and \w as ASCII (llguidance's own are Unicode)
             spec = spec.replace(r"\d", "[0-9]").replace(r"\w", "[0-9A-Za-z_]")
-            lltok = llguidance.hf.from_tokenizer(ref.tok, n_vocab=49152)
-            self.m = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_regex(spec))
+            self.m = llguidance.LLMatcher(ref.llguidance_tokenizer,
+                                          llguidance.LLMatcher.grammar_from_regex(spec))
             import llguidance.torch as lt
             self.mask = lt.allocate_token_bitmask(1, 49152)
 
