@@ -323,7 +323,7 @@ def _walk_outputs(compiled, vocab, rng, steps=128):
                 break
             pick = [t for t in closing if t in allowed] if rng.random() < 0.5 else []
             tid = rng.choice(pick or rest)
-            assert m.accept_tokens([tid])
+            assert m.accept_tokens([tid]), getattr(m, "error", "") or f"mask allowed {tid}"
             out.append(tid)
 
 

@@ -70,6 +70,36 @@ def test_an_ordinary_regex_never_trips_the_limits(backend, vocab):
     assert n == 300 and m.error == ""
 
 
+class _Descheduled:
+    """xgrammar's matcher on a busy box: each mask waits `wait_s` (the thread is not
+    running: another process has the core) before the same work."""
+
+    def __init__(self, native, wait_s: float):
+        self._native, self._wait_s = native, wait_s
+
+    def fill_next_token_bitmask(self, bitmask, row):
+        time.sleep(self._wait_s)
+        return self._native.fill_next_token_bitmask(bitmask, row)
+
+    def __getattr__(self, name):
+        return getattr(self._native, name)
+
+
+def test_a_busy_box_does_not_count_against_a_constraint(backend, vocab, monkeypatch):
+    """The limits count the CPU time of the grammar's own work: on a box six times
+    oversubscribed the wall clock of an email format's masks (20-33 ms each here) ran
+    past the budget in 40 tokens, and a mask the thread waited 0.5 s for failed its
+    request as 'too ambiguous'."""
+    monkeypatch.setattr(xgrammar_backend, "BUDGET_BASE_S", 0.3)
+    m = backend.compile(SO(regex="[a-z]+")).new_matcher()
+    m.native = _Descheduled(m.native, wait_s=0.6)     # past the 0.5 s step limit, and the budget
+    a = vocab.token_bytes.index(b"a")
+    row = allocate_bitmask(1, vocab.vocab_size)
+    for _ in range(2):
+        m.fill_bitmask(row, 0)
+        assert m.accept_tokens([a]) and m.error == ""
+
+
 def test_the_budget_counts_tokens_kept_not_rolled_back(backend, vocab, monkeypatch):
     """The per-request budget grows with the tokens kept: a check that accepts and
     rolls back (deferred masks) spends time but earns no allowance."""
